@@ -1,0 +1,39 @@
+"""ckptd: asynchronous checkpoint coordination for training jobs on Ray.
+
+Saves run in background threads so training continues; a step is committed (manifest, then the
+``latest_*_iteration.txt`` trackers) only when every registered save of it has finished.
+"""
+
+from ckptd.config import Kind, MonitorOptions, SaveStrategy
+from ckptd.coordinator import CheckpointCoordinator
+from ckptd.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    RegistrationConflictError,
+    StorageError,
+)
+from ckptd.layout import latest_step, step_dir
+from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfigError",
+    "CheckpointCoordinator",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "Kind",
+    "MonitorOptions",
+    "MonitorStatus",
+    "RegistrationConflictError",
+    "SaveStrategy",
+    "StepStatus",
+    "StorageError",
+    "get_monitor",
+    "latest_step",
+    "start_monitor",
+    "step_dir",
+]

@@ -1,0 +1,98 @@
+"""Configuration models (pydantic v2, frozen, unknown options rejected)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ckptd.errors import CheckpointConfigError
+
+
+class SaveStrategy(str, Enum):
+    """How many checkpoint writers may run at once, across the whole run.
+
+    ``unrestricted``: no limit. ``single_thread``: one writer at a time. ``single_process``: the
+    writers of one process at a time. ``single_node``: the writers of one node at a time. Slots
+    are granted first come, first served.
+    """
+
+    UNRESTRICTED = "unrestricted"
+    SINGLE_THREAD = "single_thread"
+    SINGLE_PROCESS = "single_process"
+    SINGLE_NODE = "single_node"
+
+
+class Kind(str, Enum):
+    """What a save unit belongs to: a full checkpoint or a state dict (weights only)."""
+
+    CHECKPOINT = "checkpoint"
+    STATE_DICT = "state_dict"
+
+    @classmethod
+    def from_flag(cls, is_state_dict: bool) -> Kind:
+        return cls.STATE_DICT if is_state_dict else cls.CHECKPOINT
+
+
+class MonitorOptions(BaseModel):
+    """Options of a CheckpointMonitor, passed as keyword arguments to :func:`ckptd.start_monitor`.
+
+    Attributes:
+        save_strategy: Write throttling; see :class:`SaveStrategy`.
+        step_timeout_s: A step whose registered units have not all finished this many seconds
+            after it was first seen is marked failed.
+        slot_lease_s: A writer slot whose holder stops renewing it (its process died) is
+            released after this many seconds.
+        commit_retries: How often a commit whose I/O failed is retried before the step is
+            marked failed.
+        status_history: How many committed or failed steps ``status()`` reports in detail.
+        detached: Start the monitor as a detached actor that outlives the driver.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    save_strategy: SaveStrategy = SaveStrategy.UNRESTRICTED
+    step_timeout_s: float = Field(default=3600.0)
+    slot_lease_s: float = Field(default=60.0)
+    commit_retries: int = Field(default=3)
+    status_history: int = Field(default=100)
+    detached: bool = False
+
+    @field_validator("step_timeout_s", "slot_lease_s")
+    @classmethod
+    def _positive_seconds(cls, v: float, info) -> float:
+        if not v > 0:
+            raise ValueError(f"{info.field_name} must be > 0 seconds, got {v}")
+        return v
+
+    @field_validator("commit_retries")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"commit_retries must be >= 0 (0 means no retry), got {v}")
+        return v
+
+    @field_validator("status_history")
+    @classmethod
+    def _history(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"status_history must be >= 1, got {v}")
+        return v
+
+    @classmethod
+    def parse(cls, options: dict) -> MonitorOptions:
+        """Validate ``options``, turning pydantic's error into a :class:`CheckpointConfigError`."""
+        try:
+            return cls(**options)
+        except ValidationError as e:
+            problems = []
+            for err in e.errors():
+                field = ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown option {field!r}")
+                else:
+                    problems.append(f"{field}: {err['msg']}")
+            known = ", ".join(sorted(cls.model_fields))
+            raise CheckpointConfigError(
+                f"invalid CheckpointMonitor options: {'; '.join(problems)}. Known options: {known}"
+            ) from None

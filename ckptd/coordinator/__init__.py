@@ -1,0 +1,5 @@
+"""Worker side: the CheckpointCoordinator and its named save threads."""
+
+from ckptd.coordinator.coordinator import CheckpointCoordinator
+
+__all__ = ["CheckpointCoordinator"]

@@ -1,0 +1,424 @@
+"""CheckpointCoordinator: runs save units in named background threads and reports them.
+
+The API matches the coordinator that verl / Trinity-RFT style pipelines already use
+(``save_async``, ``save_sync``, ``wait_all``, ``register_and_monitor``), so their code works
+unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from ckptd import failpoints
+from ckptd.config import Kind, SaveStrategy
+from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
+from ckptd.layout import step_dir_name
+from ckptd.manifest import FileEntry
+from ckptd.monitor import journal
+from ckptd.monitor.ledger import UnitFailure
+from ckptd.monitor.service import actor_name
+from ckptd.storage import Storage
+from ckptd.coordinator.files import discover_files, describe_returned_files
+from ckptd.units import UnitId, check_count, check_name, check_step
+
+log = logging.getLogger("ckptd.coordinator")
+
+_live: weakref.WeakSet[CheckpointCoordinator] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    # Save threads are daemons so that a forgotten wait_all() cannot hang the interpreter, but a
+    # save in flight at exit would be cut off: finish them here (errors are logged, not raised).
+    for coord in list(_live):
+        coord._drain()
+
+
+@dataclass
+class _Job:
+    unit: UnitId
+    save_fn: Callable[[], Any]
+
+
+class _Lane:
+    """One named save thread; units of the same name run one after another, in call order."""
+
+    def __init__(self, name: str, run: Callable[[_Job], None], max_pending: int) -> None:
+        self.queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self.thread = threading.Thread(target=self._loop, args=(run,), name=f"ckptd-save-{name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self, run: Callable[[_Job], None]) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                run(job)
+            finally:
+                self.queue.task_done()
+
+
+def _default_worker_id() -> str:
+    ctx = ray.get_runtime_context()
+    actor = ctx.get_actor_id()
+    if actor:
+        return f"actor-{actor[:16]}"
+    return f"{ctx.get_node_id()[:12]}-pid{os.getpid()}"
+
+
+class CheckpointCoordinator:
+    """Runs save units in background threads and reports them to the CheckpointMonitor.
+
+    Args:
+        checkpoint_monitor: The monitor's actor handle (:func:`ckptd.start_monitor` or
+            :func:`ckptd.get_monitor`).
+        worker_id: Names this coordinator in unit ids; defaults to the Ray actor id, or the node
+            and process id outside an actor. Two coordinators must not share one.
+        max_pending: How many units of one name may wait behind the running one before
+            ``save_async`` blocks (back-pressure bounds the memory that queued saves hold).
+        notify_timeout_s: How long notifications are retried while the monitor is unreachable.
+
+    NOTE: a save function runs while training goes on. If it reads tensors that the optimizer
+    changes in place, copy them first (``{k: v.clone() for k, v in sd.items()}``), or the
+    checkpoint mixes two steps.
+    """
+
+    def __init__(
+        self,
+        checkpoint_monitor: Any,
+        *,
+        worker_id: str | None = None,
+        max_pending: int = 1,
+        notify_timeout_s: float = 600.0,
+    ) -> None:
+        if check_count(max_pending, "max_pending") < 1:
+            raise CheckpointConfigError("max_pending must be >= 1")
+        self._monitor = checkpoint_monitor
+        self._notify_timeout_s = float(notify_timeout_s)
+        cfg = self._call("worker_config")
+        self._run = cfg["run"]
+        self._storage = Storage(cfg["root"], cfg["storage_options"])
+        self._strategy = SaveStrategy(cfg["save_strategy"])
+        self._lease_s = float(cfg["slot_lease_s"])
+        self._worker = check_name(worker_id or _default_worker_id(), "worker_id")
+        ctx = ray.get_runtime_context()
+        self._node = ctx.get_node_id()
+        self._process = f"{self._node}:{os.getpid()}"
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._lanes: dict[str, _Lane] = {}
+        self._errors: list[CheckpointSaveError] = []
+        self._sync_seq: dict[tuple[int, Kind], int] = {}
+        self._held: dict[str, tuple[str, str, str]] = {}
+        self._heartbeat: threading.Thread | None = None
+        self._closed = threading.Event()
+        _live.add(self)
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def save_async(
+        self,
+        name: str,
+        save_fn: Callable[[], None],
+        global_step: int,
+        is_state_dict: bool = False,
+    ) -> None:
+        """Run ``save_fn`` in the background thread ``name``; return at once.
+
+        Saves with the same ``name`` run one after another; different names run concurrently.
+        A failure is reported to the monitor (the step is then never committed) and raised by
+        the next :meth:`wait_all`.
+
+        ``save_fn`` writes its files under ``ckptd.step_dir(root, global_step)``. It may return
+        the paths it wrote; otherwise the files that appeared or changed in the step directory
+        while it ran are attributed to it. Either way they are checksummed in this background
+        thread and listed in the step's manifest.
+
+        Args:
+            name: The save's name, e.g. ``"model"``; a plain identifier without path separators.
+            save_fn: Zero-argument callable that writes the files.
+            global_step: The training step this save belongs to.
+            is_state_dict: True for a state-dict (weights only) save, False for a part of a
+                full checkpoint.
+
+        Raises:
+            CheckpointConfigError: bad name, step or save_fn; nothing was started.
+        """
+        unit = self._unit(name, global_step, is_state_dict)
+        if not callable(save_fn):
+            raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
+        with self._lock:
+            if self._closed.is_set():
+                raise CheckpointError("this CheckpointCoordinator is closed")
+            lane = self._lanes.get(name)
+            if lane is None:
+                lane = self._lanes[name] = _Lane(name, self._run_job, self._max_pending)
+        lane.queue.put(_Job(unit, save_fn))  # blocks while max_pending units are queued
+
+    def save_sync(self, save_fn: Callable[[], None], global_step: int, is_state_dict: bool = False) -> None:
+        """Run ``save_fn`` on the calling thread as one save unit (for saves that need barriers).
+
+        Raises:
+            CheckpointSaveError: ``save_fn`` raised; the original exception is chained.
+        """
+        kind = Kind.from_flag(is_state_dict)
+        step = check_step(global_step)
+        if not callable(save_fn):
+            raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
+        with self._lock:
+            seq = self._sync_seq.get((step, kind), 0)
+            self._sync_seq[(step, kind)] = seq + 1
+        err = self._run_unit(_Job(self._unit(f"sync{seq}", step, is_state_dict), save_fn))
+        if err is not None:
+            raise err from err.__cause__
+
+    def wait_all(self) -> None:
+        """Block until every queued and running save of this coordinator has finished.
+
+        Raises:
+            CheckpointSaveError: for the first save that failed since the last wait_all, naming
+                its step, unit and cause, with the original exception chained. Failures are
+                reported once.
+        """
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.queue.join()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if not errors:
+            return
+        first = errors[0]
+        cause = first.cause
+        if len(errors) > 1:
+            others = ", ".join(f"step {e.step} {e.unit}" for e in errors[1:])
+            cause += f" (and {len(errors) - 1} more failed saves: {others})"
+        raise CheckpointSaveError(first.step, first.kind, first.unit, cause) from first.__cause__
+
+    def close(self) -> None:
+        """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""
+        try:
+            self.wait_all()
+        finally:
+            self._closed.set()
+            with self._lock:
+                lanes, self._lanes = list(self._lanes.values()), {}
+            for lane in lanes:
+                lane.queue.put(None)
+            _live.discard(self)
+
+    def _drain(self) -> None:
+        try:
+            self.wait_all()
+        except CheckpointSaveError as e:
+            log.error("a checkpoint save failed before exit: %s", e)
+
+    # -- trainer side --------------------------------------------------------------------------
+
+    def register(
+        self,
+        global_step: int,
+        is_state_dict: bool = False,
+        state_dict_thread_count: int = 0,
+        checkpoint_thread_count: int = 0,
+    ) -> None:
+        """Register how many save units step ``global_step`` has, across all workers.
+
+        The step of a kind is committed once that many distinct units of the kind have finished
+        and none has failed. Registering the same counts again is harmless; different counts
+        are an error. Blocking twin of :meth:`register_and_monitor`.
+
+        Raises:
+            CheckpointConfigError: bad step or counts, or a conflicting earlier registration.
+            CheckpointSaveError: the step already failed.
+        """
+        args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
+        _raise_for(self._call("register", *args))
+
+    async def register_and_monitor(
+        self,
+        global_step: int,
+        is_state_dict: bool = False,
+        state_dict_thread_count: int = 0,
+        checkpoint_thread_count: int = 0,
+    ) -> None:
+        """Async form of :meth:`register`; returns once the registration is durable."""
+        args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
+        deadline = time.monotonic() + self._notify_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                result = await self._monitor.register.remote(*args)
+                break
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        _raise_for(result)
+
+    def wait_committed(self, global_step: int, is_state_dict: bool = False, timeout_s: float | None = None) -> None:
+        """Block until step ``global_step`` is committed.
+
+        Raises:
+            CheckpointSaveError: the step failed.
+            TimeoutError: it was neither committed nor failed within ``timeout_s``.
+        """
+        kind = Kind.from_flag(is_state_dict)
+        result = self._call("wait_committed", check_step(global_step), kind.value, timeout_s)
+        if result["committed"]:
+            return
+        if result["cause"] is None:
+            raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s")
+        raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])
+
+    @staticmethod
+    def _registration(step: int, is_state_dict: bool, sd_count: int, ckpt_count: int) -> tuple:
+        step = check_step(step)
+        counts = {
+            Kind.STATE_DICT.value: check_count(sd_count, "state_dict_thread_count"),
+            Kind.CHECKPOINT.value: check_count(ckpt_count, "checkpoint_thread_count"),
+        }
+        return step, counts, Kind.from_flag(is_state_dict).value
+
+    # -- one unit ------------------------------------------------------------------------------
+
+    def _unit(self, name: str, step: int, is_state_dict: bool) -> UnitId:
+        return UnitId(self._worker, check_name(name), check_step(step), Kind.from_flag(is_state_dict))
+
+    def _run_job(self, job: _Job) -> None:
+        err = self._run_unit(job)
+        if err is not None:
+            with self._lock:
+                self._errors.append(err)
+
+    def _run_unit(self, job: _Job) -> CheckpointSaveError | None:
+        """Run one unit to its end and report it; return the error if it failed."""
+        unit = job.unit
+        slot = f"{unit.step}/{unit.kind.value}/{unit.label}"
+        try:
+            self._start(unit, slot)
+            files = self._execute(unit, job.save_fn)
+            failpoints.hit("after_unit_write")
+            journal.write_finished(self._storage, unit, files)
+            self._call("notify_finished", unit.to_dict(), [f.model_dump() for f in files])
+            return None
+        except Exception as e:
+            return self._report_failure(unit, e)
+        finally:
+            with self._lock:
+                self._held.pop(slot, None)
+
+    def _start(self, unit: UnitId, slot: str) -> None:
+        if self._strategy is SaveStrategy.UNRESTRICTED:
+            self._call("notify_started", unit.to_dict())
+            return
+        result = self._call("acquire_slot", unit.to_dict(), self._node, self._process)
+        if "aborted" in result:
+            raise CheckpointError(f"not written: the step had already failed ({result['aborted']})")
+        with self._lock:
+            self._held[slot] = (slot, self._node, self._process)
+            if self._heartbeat is None:
+                self._heartbeat = threading.Thread(target=self._renew_loop, name="ckptd-slot-heartbeat", daemon=True)
+                self._heartbeat.start()
+
+    def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
+        step_path = self._storage.join(step_dir_name(unit.step))
+        started_ns = time.time_ns()
+        returned = save_fn()
+        if returned is not None:
+            if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+                raise CheckpointConfigError(
+                    f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
+                )
+            return describe_returned_files(self._storage, step_path, list(returned))
+        return discover_files(self._storage, step_path, started_ns)
+
+    def _report_failure(self, unit: UnitId, exc: Exception) -> CheckpointSaveError:
+        failure = UnitFailure(
+            unit=unit.label, error_type=type(exc).__qualname__, message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+        log.error("save %s of step %d (%s) failed: %s", unit.label, unit.step, unit.kind.value, failure.cause)
+        # The error reaches the caller through wait_all() whatever happens below; these two only
+        # make sure the monitor (now, or after a restart) knows the step must never commit.
+        try:
+            journal.write_failed(self._storage, unit, failure)
+        except Exception as e:
+            log.error("could not write the failure receipt of %s: %s", unit.label, e)
+        try:
+            self._call("notify_failed", unit.to_dict(), failure.model_dump())
+        except Exception as e:
+            log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
+        err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
+        err.__cause__ = exc
+        return err
+
+    # -- talking to the monitor ----------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call a monitor method, retrying while the actor restarts or is unreachable.
+
+        Ray already retries tasks of a restarting actor (the monitor is created with
+        ``max_task_retries=-1``); this loop also covers a monitor that was re-created by name.
+        """
+        deadline = time.monotonic() + self._notify_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return ray.get(getattr(self._monitor, method).remote(*args))
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._reattach()
+
+    def _reattach(self) -> None:
+        run = getattr(self, "_run", None)
+        if run is None:
+            return
+        try:
+            self._monitor = ray.get_actor(actor_name(run))
+        except ValueError:
+            pass  # not re-created (yet); keep retrying the old handle until the deadline
+
+    def _renew_loop(self) -> None:
+        while not self._closed.wait(self._lease_s / 3):
+            with self._lock:
+                held = list(self._held.values())
+            if held:
+                try:
+                    self._call("renew_slots", held)
+                except Exception as e:
+                    log.warning("could not renew writer slots: %s", e)
+
+
+def _raise_for(result: dict) -> None:
+    err = result.get("error")
+    if err is None:
+        return
+    if err["type"] == "CheckpointSaveError":
+        raise CheckpointSaveError(err["step"], err["kind"], err["unit"], err["cause"])
+    if err["type"] == "RegistrationConflictError":
+        raise RegistrationConflictError(err["message"])
+    raise CheckpointConfigError(err["message"])

@@ -1,0 +1,67 @@
+"""Which files a save unit wrote, with their sizes and checksums (runs in the save thread)."""
+
+from __future__ import annotations
+
+import os
+
+from ckptd.errors import CheckpointConfigError
+from ckptd.manifest import FileEntry, crc32_file, is_internal
+from ckptd.storage import FileStat, Storage
+
+# File timestamps come from the kernel's coarse clock, which can lag time.time_ns() by a tick
+# (up to 10 ms): look this much further back so a unit's first file is never missed.
+_MTIME_SLACK_NS = 20_000_000
+
+
+def discover_files(storage: Storage, step_path: str, started_ns: int) -> list[FileEntry]:
+    """Checksum the files in ``step_path`` that appeared or changed since ``started_ns``.
+
+    The unit's own save_fn has returned, so its files are complete. A file still changing while
+    it is read belongs to another unit that is writing into the same step directory, and is
+    left to that unit.
+    """
+    before = {
+        rel: st
+        for rel, st in storage.walk_files(step_path).items()
+        if not is_internal(rel) and (st.mtime_ns is None or st.mtime_ns >= started_ns - _MTIME_SLACK_NS)
+    }
+    entries = []
+    for rel, st in sorted(before.items()):
+        path = f"{step_path}/{rel}"
+        try:
+            size, crc = crc32_file(storage, path)
+            after = storage.stat(path)
+        except FileNotFoundError:
+            continue  # another unit's temp file, renamed away meanwhile
+        if after != st or size != st.size:
+            continue
+        entries.append(FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns))
+    return entries
+
+
+def describe_returned_files(storage: Storage, step_path: str, paths: list) -> list[FileEntry]:
+    """Checksum the files a save_fn said it wrote. Paths may be absolute or step-relative."""
+    entries = []
+    prefix = step_path.rstrip("/") + "/"
+    for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            raise CheckpointConfigError(
+                f"save_fn returned {paths!r}; return None or a list of the file paths it wrote"
+            )
+        p = os.fspath(p)
+        if "://" in p or p.startswith("/"):
+            full = storage.fs._strip_protocol(p)
+            if not full.startswith(prefix):
+                raise CheckpointConfigError(
+                    f"save_fn returned {p!r}, which is outside the step directory {step_path!r}; "
+                    "write every file of a step under ckptd.step_dir(root, step)"
+                )
+            rel = full[len(prefix):]
+        else:
+            rel = p
+        if ".." in rel.split("/"):
+            raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
+        st: FileStat = storage.stat(prefix + rel)
+        size, crc = crc32_file(storage, prefix + rel)
+        entries.append(FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns))
+    return entries

@@ -1,0 +1,55 @@
+"""Exceptions raised by ckptd.
+
+Every exception derives from :class:`CheckpointError`. Those that describe bad input also derive
+from :class:`ValueError`, so callers that already catch ``ValueError`` keep working. All of them
+take simple constructor arguments so they survive pickling across Ray.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptd raises."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """Bad input: an invalid step, unit name, count, option or root. Nothing was written."""
+
+
+class RegistrationConflictError(CheckpointConfigError):
+    """A registration disagrees with an earlier registration of the same step and kind."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The checkpoint storage could not be read or written."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A committed checkpoint does not match its manifest."""
+
+
+class FailpointError(CheckpointError):
+    """Raised by a failpoint armed with the ``raise`` action (tests and fault drills only)."""
+
+
+class CheckpointSaveError(CheckpointError, RuntimeError):
+    """A save unit failed, so its step will never be committed.
+
+    Args:
+        step: The training step whose save failed.
+        kind: ``"checkpoint"`` or ``"state_dict"``.
+        unit: The failed unit, as ``worker/name``, or ``None`` when the step failed as a whole
+            (a timeout, or a commit that could not be written).
+        cause: What went wrong, in words (the exception type and message, or the reason).
+    """
+
+    def __init__(self, step: int, kind: str, unit: str | None, cause: str) -> None:
+        self.step = step
+        self.kind = kind
+        self.unit = unit
+        self.cause = cause
+        where = f"unit {unit!r}" if unit else "the step"
+        super().__init__(f"{kind} save of step {step} failed in {where}: {cause}")
+
+    def __reduce__(self):  # keep pickling simple for Ray: rebuild from the constructor args
+        return (type(self), (self.step, self.kind, self.unit, self.cause))

@@ -1,0 +1,81 @@
+"""Named failpoints in the save and commit path, for fault-injection tests and drills.
+
+A failpoint is armed with an action, either in-process with :func:`arm` or for every process of
+a job through the environment variable ``CKPTD_FAILPOINTS`` (``name=action[,name=action]``), which
+reaches Ray actors through ``runtime_env={"env_vars": {...}}``. Actions:
+
+* ``raise``: raise :class:`~ckptd.errors.FailpointError` at that point.
+* ``crash``: end the process at once with ``os._exit(137)``, as a SIGKILL would.
+
+Unknown failpoint names and actions raise ``ValueError``, so a typo cannot make a fault test pass
+without injecting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ckptd.errors import FailpointError
+
+#: Every failpoint ckptd has, and where it sits.
+FAILPOINTS: dict[str, str] = {
+    "after_unit_write": "worker: save_fn returned and files were checksummed, before the receipt",
+    "before_manifest": "monitor: a step is complete, before its manifest is written",
+    "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
+}
+ACTIONS = ("raise", "crash")
+ENV_VAR = "CKPTD_FAILPOINTS"
+
+_lock = threading.Lock()
+_armed: dict[str, str] = {}
+
+
+def _check(name: str, action: str) -> None:
+    if name not in FAILPOINTS:
+        raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(FAILPOINTS))}")
+    if action not in ACTIONS:
+        raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS}")
+
+
+def _from_env() -> dict[str, str]:
+    spec = os.environ.get(ENV_VAR, "").strip()
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, action = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV_VAR} entry {item!r} must look like name=action")
+        _check(name.strip(), action.strip())
+        out[name.strip()] = action.strip()
+    return out
+
+
+def arm(name: str, action: str = "raise") -> None:
+    """Arm failpoint ``name`` in this process."""
+    _check(name, action)
+    with _lock:
+        _armed[name] = action
+
+
+def disarm(name: str | None = None) -> None:
+    """Disarm one failpoint, or all of them, in this process."""
+    with _lock:
+        if name is None:
+            _armed.clear()
+        else:
+            _check(name, "raise")
+            _armed.pop(name, None)
+
+
+def hit(name: str) -> None:
+    """Run failpoint ``name``: nothing unless it is armed here or in ``CKPTD_FAILPOINTS``."""
+    if name not in FAILPOINTS:
+        raise ValueError(f"unknown failpoint {name!r}")
+    with _lock:
+        action = _armed.get(name)
+    if action is None and ENV_VAR in os.environ:
+        action = _from_env().get(name)
+    if action == "raise":
+        raise FailpointError(f"failpoint {name!r} fired")
+    if action == "crash":
+        os._exit(137)

@@ -1,0 +1,409 @@
+"""The CheckpointMonitor Ray actor: a thin async shell over the ledger, slots and journal.
+
+The actor is asynchronous. Its request handlers only touch memory; every piece of storage I/O
+(registrations, manifests, trackers, clean-up) runs in a thread pool, so slow storage never
+delays notifications from other workers or other steps. Unit receipts are written by the
+workers themselves, which is what lets a restarted monitor rebuild its ledger from storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import ray
+
+from ckptd import failpoints
+from ckptd.config import Kind, MonitorOptions
+from ckptd.errors import CheckpointConfigError
+from ckptd.layout import MANIFESTS, TRACKERS, parse_step_dir, read_tracker, step_dir_name
+from ckptd.manifest import FileEntry, build_manifest, merge_unit_files
+from ckptd.monitor import journal
+from ckptd.monitor.ledger import StepLedger, StepRecord, StepState, UnitFailure
+from ckptd.monitor.status import MonitorStatus, StepStatus, Trackers, WriterSlotsStatus
+from ckptd.monitor.throttle import SlotRequest, WriterSlots
+from ckptd.storage import Storage
+from ckptd.units import UnitId, check_count, check_step
+
+log = logging.getLogger("ckptd.monitor")
+
+_RETRY_BASE_S = 0.05
+
+
+def _slot_key(unit: UnitId) -> str:
+    return f"{unit.step}/{unit.kind.value}/{unit.label}"
+
+
+class CheckpointMonitor:
+    """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
+
+    Create it with :func:`ckptd.start_monitor`; talk to it through
+    :class:`ckptd.CheckpointCoordinator`, except for :meth:`status` and :meth:`wait_committed`.
+    """
+
+    def __init__(self, root: str, run: str, storage_options: dict | None, options: dict) -> None:
+        self._opts = MonitorOptions.parse(options)
+        self._root_url = root
+        self._run = run
+        self._storage = Storage(root, storage_options)
+        self._started_at = time.time()
+        self._ledger = StepLedger(self._opts.step_timeout_s)
+        self._slots = WriterSlots(self._opts.save_strategy)
+        self._slot_waiters: dict[str, asyncio.Future] = {}
+        self._leases: dict[str, float] = {}
+        self._events: dict[tuple[int, Kind], asyncio.Event] = {}
+        self._tracker_lock = asyncio.Lock()
+        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
+        self._tasks: set[asyncio.Task] = set()
+        self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
+        ready = self._rebuild()
+        self._spawn(self._housekeeping())
+        for rec in ready:
+            self._spawn(self._commit(rec))
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def _rebuild(self) -> list[StepRecord]:
+        """Rebuild the ledger from storage; return the steps that are ready to commit.
+
+        Runs once, before the actor serves any request, so blocking I/O is fine here.
+        """
+        now = time.time()
+        newest: dict[Kind, int] = {}
+        for entry in self._storage.listdir(self._storage.root):
+            step = parse_step_dir(entry)
+            if step is None:
+                continue
+            names = set(self._storage.listdir(self._storage.join(entry)))
+            for kind in Kind:
+                if MANIFESTS[kind] in names:
+                    self._ledger.mark_committed(step, kind, now)
+                    newest[kind] = max(newest.get(kind, -1), step)
+        # A monitor that died between the manifest and the tracker left a committed step the
+        # tracker does not point at yet: move the trackers forward to what is committed.
+        newest[Kind.STATE_DICT] = max(newest.get(Kind.STATE_DICT, -1), newest.get(Kind.CHECKPOINT, -1))
+        for kind, step in newest.items():
+            current = self._trackers[kind]
+            if step >= 0 and (current is None or step > current):
+                self._write_tracker(kind, step)
+                self._trackers[kind] = step
+        ready = []
+        for pending in journal.load_pending(self._storage):
+            if self._ledger.is_committed(pending.step, pending.kind):
+                self._io.submit(self._cleanup, pending.step, pending.kind)
+                continue
+            first_seen = pending.first_seen() or now
+            if pending.count is not None:
+                rec = self._ledger.register(pending.step, pending.kind, pending.count, first_seen)
+            for unit, (t, files) in pending.finished.items():
+                rec = self._ledger.finish(unit, files, t)
+            for unit, (t, failure) in pending.failed.items():
+                rec = self._ledger.fail(unit, failure, t)
+            rec = self._ledger.get(pending.step, pending.kind)
+            if rec is None:
+                continue
+            rec.first_seen = min(rec.first_seen, first_seen)
+            if pending.failure_reason:
+                self._ledger.fail_step(rec, pending.failure_reason)
+            if self._ledger.is_ready(rec):
+                ready.append(rec)
+        self._ledger.prune(self._opts.status_history)
+        return ready
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_event_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._io, partial(fn, *args))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def ping(self) -> dict:
+        """Who is answering: the process and when it started (changes on restart)."""
+        return {"pid": os.getpid(), "started_at": self._started_at}
+
+    async def worker_config(self) -> dict:
+        """What a coordinator needs to write receipts and honour throttling."""
+        return {
+            "root": self._root_url,
+            "storage_options": self._storage.storage_options,
+            "run": self._run,
+            "save_strategy": self._opts.save_strategy.value,
+            "slot_lease_s": self._opts.slot_lease_s,
+            "options": self._opts.model_dump(mode="json"),
+        }
+
+    async def register(self, step: int, counts: dict[str, int], monitored: str) -> dict:
+        """Register how many units each kind of ``step`` expects.
+
+        Returns ``{"error": None}`` on success, or ``{"error": {...}}`` describing a conflict,
+        bad input, or a failure of the step, which the coordinator raises as an exception.
+        """
+        try:
+            step = check_step(step)
+            parsed = {Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()}
+            monitored_kind = Kind(monitored)
+            todo = {k: n for k, n in parsed.items() if n > 0}
+            if not todo and self._ledger.get(step, monitored_kind) is None and not self._ledger.is_committed(step, monitored_kind):
+                raise CheckpointConfigError(
+                    f"register_and_monitor(global_step={step}) got no unit counts and step {step} "
+                    f"has no {monitored_kind.value} registration; pass state_dict_thread_count or "
+                    "checkpoint_thread_count (the total number of save units of the step)"
+                )
+            for kind, n in todo.items():  # validate everything before changing anything
+                if not self._ledger.is_committed(step, kind):
+                    self._ledger.check_registration(step, kind, n)
+        except (CheckpointConfigError, ValueError) as e:
+            return {"error": {"type": type(e).__name__, "message": str(e)}}
+        now = time.time()
+        for kind, n in todo.items():
+            if self._ledger.is_committed(step, kind):
+                continue
+            rec = self._ledger.register(step, kind, n, now)
+            # Durable before acknowledged: a restarted monitor must still know what to expect.
+            await self._in_thread(journal.write_registration, self._storage, step, kind, n,
+                                  rec.registered_at or now)
+            self._after_change(rec)
+        for kind in {monitored_kind, *todo}:
+            failure = self._ledger.failure_of(step, kind)
+            if failure is not None:
+                unit, cause = failure
+                return {"error": {"type": "CheckpointSaveError", "step": step, "kind": kind.value,
+                                  "unit": unit, "cause": cause}}
+        return {"error": None}
+
+    async def notify_started(self, unit: dict) -> None:
+        self._ledger.start(UnitId.from_dict(unit), time.time())
+
+    async def notify_finished(self, unit: dict, files: list[dict]) -> None:
+        uid = UnitId.from_dict(unit)
+        rec = self._ledger.finish(uid, [FileEntry(**f) for f in files], time.time())
+        self._release(_slot_key(uid))
+        self._after_change(rec)
+
+    async def notify_failed(self, unit: dict, failure: dict) -> None:
+        uid = UnitId.from_dict(unit)
+        rec = self._ledger.fail(uid, UnitFailure(**failure), time.time())
+        self._release(_slot_key(uid))
+        self._after_change(rec)
+
+    async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
+        """Wait for a writer slot. Returns ``{"granted": True}``, or ``{"aborted": cause}`` when
+        the unit's step failed meanwhile (nothing should be written for it then)."""
+        uid = UnitId.from_dict(unit)
+        key = _slot_key(uid)
+        self._ledger.start(uid, time.time())
+        failure = self._ledger.failure_of(uid.step, uid.kind)
+        if failure is not None:
+            return {"aborted": failure[1]}
+        if not self._slots.holds(key):
+            fut = self._slot_waiters.get(key)
+            if fut is None or fut.done():
+                fut = asyncio.get_running_loop().create_future()
+                self._slot_waiters[key] = fut
+            self._grant(self._slots.request(SlotRequest(key, node, process)))
+            result = await asyncio.shield(fut)
+            if "aborted" in result:
+                return result
+        self._leases[key] = time.monotonic() + self._opts.slot_lease_s
+        return {"granted": True}
+
+    async def renew_slots(self, held: list[tuple[str, str, str]]) -> None:
+        """Extend the leases of slots a coordinator still holds (its writers are alive)."""
+        deadline = time.monotonic() + self._opts.slot_lease_s
+        for key, node, process in held:
+            if not self._slots.holds(key) and key not in self._slots.waiting():
+                # A writer granted by the monitor before it restarted: count it again.
+                self._slots.adopt(SlotRequest(key, node, process))
+            if self._slots.holds(key):
+                self._leases[key] = deadline
+
+    async def status(self) -> MonitorStatus:
+        return MonitorStatus(
+            run=self._run,
+            root=self._storage.url,
+            trackers=Trackers(checkpoint=self._trackers[Kind.CHECKPOINT],
+                              state_dict=self._trackers[Kind.STATE_DICT]),
+            steps=[StepStatus.of(r) for r in self._ledger.records()],
+            writers=WriterSlotsStatus(strategy=self._opts.save_strategy,
+                                      holders=self._slots.holders(), waiting=self._slots.waiting()),
+            started_at=self._started_at,
+        )
+
+    async def wait_committed(self, step: int, kind: str = "checkpoint", timeout_s: float | None = None) -> dict:
+        """Wait until (step, kind) is committed or failed.
+
+        Returns ``{"committed": bool, "unit": str | None, "cause": str | None}``; ``committed``
+        is False with ``cause`` None when the wait timed out.
+        """
+        k = Kind(kind)
+        event = self._event(step, k)
+        if not self._settled(step, k):
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return {"committed": False, "unit": None, "cause": None}
+        failure = self._ledger.failure_of(step, k)
+        if failure is not None:
+            return {"committed": False, "unit": failure[0], "cause": failure[1]}
+        return {"committed": True, "unit": None, "cause": None}
+
+    # -- commit --------------------------------------------------------------------------------
+
+    def _event(self, step: int, kind: Kind) -> asyncio.Event:
+        event = self._events.get((step, kind))
+        if event is None:
+            event = self._events[(step, kind)] = asyncio.Event()
+            if self._settled(step, kind):
+                event.set()
+        return event
+
+    def _settled(self, step: int, kind: Kind) -> bool:
+        return self._ledger.is_committed(step, kind) or self._ledger.failure_of(step, kind) is not None
+
+    def _after_change(self, rec: StepRecord) -> None:
+        if self._ledger.is_ready(rec):
+            self._ledger.begin_commit(rec)
+            self._spawn(self._commit(rec))
+        elif rec.state is StepState.FAILED:
+            self._on_failed(rec)
+
+    def _on_failed(self, rec: StepRecord) -> None:
+        self._abort_waiters(rec.step, rec.kind, rec.failure_summary()[1])
+        event = self._events.pop(rec.key, None)
+        if event is not None:
+            event.set()
+
+    async def _commit(self, rec: StepRecord) -> None:
+        if rec.state is StepState.PENDING:
+            self._ledger.begin_commit(rec)
+        finished = dict(rec.finished)
+        try:
+            await self._retrying(self._write_manifest, rec.step, rec.kind, finished)
+        except Exception as e:
+            reason = f"commit failed after {self._opts.commit_retries + 1} attempts: {type(e).__name__}: {e}"
+            log.error("step %d (%s): %s", rec.step, rec.kind.value, reason)
+            self._ledger.fail_step(rec, reason)
+            self._on_failed(rec)
+            await self._record_step_failure(rec, reason)
+            return
+        # The manifest makes the step committed; the trackers only point at it.
+        self._ledger.commit_done(rec, time.time())
+        try:
+            await self._advance_trackers(rec.step, rec.kind)
+        except Exception as e:
+            rec.reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
+            log.error("step %d (%s): %s", rec.step, rec.kind.value, rec.reason)
+        event = self._events.pop(rec.key, None)
+        if event is not None:
+            event.set()
+        self._ledger.prune(self._opts.status_history)
+        # Best-effort clean-up: leftovers of a committed step are ignored by every reader and
+        # removed again at the next start-up, so a failure here is only logged.
+        self._io.submit(self._cleanup, rec.step, rec.kind)
+
+    async def _retrying(self, fn, *args) -> Any:
+        for attempt in range(self._opts.commit_retries + 1):
+            try:
+                return await self._in_thread(fn, *args)
+            except Exception as e:
+                if attempt == self._opts.commit_retries:
+                    raise
+                log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
+                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
+
+    def _write_manifest(self, step: int, kind: Kind, finished: dict[str, list[FileEntry]]) -> None:
+        failpoints.hit("before_manifest")
+        step_path = self._storage.join(step_dir_name(step))
+        files = merge_unit_files(self._storage, step_path, finished)
+        manifest = build_manifest(step, kind, list(finished), files)
+        self._storage.makedirs(step_path)
+        self._storage.write_atomic(f"{step_path}/{MANIFESTS[kind]}",
+                                   manifest.model_dump_json(indent=1).encode())
+
+    async def _advance_trackers(self, step: int, kind: Kind) -> None:
+        # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
+        kinds = (Kind.CHECKPOINT, Kind.STATE_DICT) if kind is Kind.CHECKPOINT else (Kind.STATE_DICT,)
+        async with self._tracker_lock:  # trackers only move forward, one writer at a time
+            for k in kinds:
+                current = self._trackers[k]
+                if current is not None and step <= current:
+                    continue
+                await self._retrying(self._write_tracker, k, step)
+                self._trackers[k] = step
+
+    def _write_tracker(self, kind: Kind, step: int) -> None:
+        self._storage.write_atomic(self._storage.join(TRACKERS[kind]), f"{step}\n".encode(),
+                                   before_publish=partial(failpoints.hit, "before_tracker_rename"))
+
+    def _cleanup(self, step: int, kind: Kind) -> None:
+        try:
+            journal.remove_pending(self._storage, step, kind)
+        except Exception as e:
+            log.warning("could not remove ledger records of step %d (%s): %s", step, kind.value, e)
+
+    async def _record_step_failure(self, rec: StepRecord, reason: str) -> None:
+        try:
+            await self._in_thread(journal.write_step_failure, self._storage, rec.step, rec.kind, reason)
+        except Exception as e:
+            # The step is failed in memory and uncommitted in storage either way; without this
+            # record a restarted monitor would only time the step out again.
+            log.error("could not record the failure of step %d (%s): %s", rec.step, rec.kind.value, e)
+
+    # -- writer slots --------------------------------------------------------------------------
+
+    def _grant(self, keys: list[str]) -> None:
+        for key in keys:
+            fut = self._slot_waiters.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result({"granted": True})
+
+    def _release(self, key: str) -> None:
+        self._leases.pop(key, None)
+        fut = self._slot_waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result({"aborted": "the unit reported its outcome before it was granted a slot"})
+        self._grant(self._slots.release(key))
+
+    def _abort_waiters(self, step: int, kind: Kind, cause: str) -> None:
+        prefix = f"{step}/{kind.value}/"
+        for key in [k for k in self._slot_waiters if k.startswith(prefix)]:
+            fut = self._slot_waiters.pop(key)
+            if not fut.done():
+                fut.set_result({"aborted": cause})
+            self._grant(self._slots.release(key))
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    async def _housekeeping(self) -> None:
+        period = min(1.0, self._opts.step_timeout_s / 4, self._opts.slot_lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for rec in self._ledger.expire(time.time()):
+                    log.error("step %d (%s) failed: %s", rec.step, rec.kind.value, rec.reason)
+                    self._on_failed(rec)
+                    await self._record_step_failure(rec, rec.reason or "timed out")
+                now = time.monotonic()
+                for key in [k for k, t in self._leases.items() if t < now]:
+                    log.warning("writer slot %s expired: its writer stopped renewing it", key)
+                    self._release(key)
+            except Exception:  # keep housekeeping alive whatever one round hit
+                log.exception("monitor housekeeping round failed")
+
+
+def monitor_actor_class():
+    """The Ray actor class (built lazily so that importing ckptd does not need Ray running)."""
+    return ray.remote(CheckpointMonitor)
+
+
+def dump_status(status: MonitorStatus) -> str:
+    return json.dumps(status.model_dump(mode="json"), indent=1)

@@ -1,0 +1,237 @@
+"""A narrow storage layer over fsspec, with atomic publication per backend.
+
+Checkpoint roots are URLs (``/abs/path``, ``file://``, ``s3://``, ``memory://`` ...), never
+``Path`` objects, because a root may live on an object store. All checkpoint I/O in ckptd goes
+through :class:`Storage`.
+
+How a file is published atomically depends on the backend:
+
+* POSIX (local disk, NFS, Lustre): temp file in the same directory, fsync, rename, fsync of the
+  directory. A reader sees the old file or the new one, never a partial one.
+* Anything else: one ``pipe_file`` call, which object stores turn into a single PUT; an object
+  is either there in full or not at all.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptd.errors import CheckpointConfigError
+
+TMP_PREFIX = ".ckptd-tmp-"
+
+
+@dataclass(frozen=True)
+class FileStat:
+    size: int
+    mtime_ns: int | None
+
+
+def _fsync_dir(path: str) -> None:
+    # The rename is not durable until the directory entry is, so fsync the directory too.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Storage:
+    """A checkpoint root on any fsspec filesystem.
+
+    Args:
+        root: A local path or fsspec URL. A relative local path is made absolute here, once, so
+            that every process resolves it the same way.
+        storage_options: Passed to the fsspec filesystem (credentials, endpoint). Never logged.
+
+    Paths taken and returned by the methods are the filesystem's own (protocol stripped), as
+    produced by :meth:`join`.
+    """
+
+    def __init__(self, root: str, storage_options: dict | None = None) -> None:
+        if not isinstance(root, str) or not root:
+            raise CheckpointConfigError(f"root must be a non-empty path or URL string, got {root!r}")
+        self.storage_options = dict(storage_options or {})
+        if "://" not in root:
+            root = os.path.abspath(os.path.expanduser(root))
+        try:
+            self.fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
+        except (ImportError, ValueError) as e:
+            raise CheckpointConfigError(
+                f"cannot open checkpoint root {root!r}: {e}. Install the fsspec backend for this "
+                "protocol (for example s3fs for s3://) or pass a local path"
+            ) from e
+        self.root = path.rstrip("/") or "/"
+        self.is_posix = isinstance(self.fs, LocalFileSystem)
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.url = self.root if self.is_posix else f"{protocol}://{self.root.lstrip('/')}"
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def join(self, *parts: str) -> str:
+        """A path under the root."""
+        return "/".join([self.root.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def write_atomic(
+        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+    ) -> None:
+        """Publish ``data`` at ``path`` so that readers never see a partial file.
+
+        Args:
+            path: Destination (from :meth:`join`). Parent directories are created.
+            data: The complete content.
+            before_publish: Called after the content is durable but before it becomes visible
+                (the failpoint hook for "crash before rename").
+        """
+        if not self.is_posix:
+            if before_publish is not None:
+                before_publish()
+            self.fs.pipe_file(path, data)
+            return
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if before_publish is not None:
+                before_publish()
+            os.replace(tmp, path)
+        except BaseException:
+            # A failed publication leaves nothing behind; the old file (if any) is untouched.
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(directory)
+
+    @contextmanager
+    def open_atomic(self, path: str) -> Iterator[IO[bytes]]:
+        """Stream a file to ``path``; it is published atomically when the block exits cleanly."""
+        if not self.is_posix:
+            with self.fs.open(path, "wb") as f:  # object stores publish on close
+                yield f
+            return
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(directory)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rm(self, path: str) -> None:
+        """Remove a file or a directory tree; a missing path is not an error."""
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def read_text_or_none(self, path: str) -> str | None:
+        try:
+            return self.fs.cat_file(path).decode()
+        except FileNotFoundError:
+            return None
+
+    def open(self, path: str, mode: str = "rb") -> IO[bytes]:
+        return self.fs.open(path, mode)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names of the entries of a directory; empty if it does not exist."""
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def stat(self, path: str) -> FileStat:
+        if self.is_posix:
+            st = os.stat(path)
+            return FileStat(st.st_size, st.st_mtime_ns)
+        info = self.fs.info(path)
+        return FileStat(int(info.get("size") or 0), _mtime_ns(info))
+
+    def walk_files(self, path: str) -> dict[str, FileStat]:
+        """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``)."""
+        out: dict[str, FileStat] = {}
+        if self.is_posix:
+            for dirpath, _dirs, files in os.walk(path):
+                for name in files:
+                    full = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:  # removed while we walked (a temp file, say)
+                        continue
+                    rel = os.path.relpath(full, path).replace(os.sep, "/")
+                    out[rel] = FileStat(st.st_size, st.st_mtime_ns)
+            return out
+        try:
+            found = self.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return out
+        prefix = path.rstrip("/") + "/"
+        for full, info in found.items():
+            if info.get("type") == "directory" or not full.startswith(prefix):
+                continue
+            out[full[len(prefix):]] = FileStat(int(info.get("size") or 0), _mtime_ns(info))
+        return out
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Write and remove a probe file under the root, or raise CheckpointConfigError."""
+        probe = self.join(".ckptd", f"probe-{uuid.uuid4().hex}")
+        try:
+            self.write_atomic(probe, b"ckptd write probe\n")
+            self.rm(probe)
+        except OSError as e:
+            raise CheckpointConfigError(
+                f"checkpoint root {self.url!r} cannot be written ({type(e).__name__}: {e}); "
+                "pass a directory or bucket this job can write to"
+            ) from e
+
+
+def _mtime_ns(info: dict) -> int | None:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, _dt.datetime):
+            return int(value.timestamp() * 1e9)
+        if isinstance(value, (int, float)):
+            return int(value * 1e9)
+    return None

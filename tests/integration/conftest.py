@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import ray
+
+import ckptd
+
+_runs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray instance per test module."""
+    # Ray's worker processes inherit this environment: let them import tests.integration.helpers.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def run_name(request) -> str:
+    return f"t{next(_runs)}-{os.getpid()}"
+
+
+@pytest.fixture
+def make_monitor(ray_local, tmp_path, run_name):
+    """Start a monitor on a fresh root; kill it after the test."""
+    handles = []
+
+    def make(root: str | None = None, **options):
+        handle = ckptd.start_monitor(root or str(tmp_path / "ckpt"), run=run_name, **options)
+        handles.append(handle)
+        return handle
+
+    yield make
+    for h in handles:
+        ray.kill(h, no_restart=True)

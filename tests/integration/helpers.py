@@ -1,0 +1,85 @@
+"""Real Ray actors used by the integration tests (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import ray
+import torch
+
+import ckptd
+
+
+@ray.remote(num_cpus=0)
+class Signal:
+    """A cross-process event: tests wait on it instead of sleeping."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    async def send(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@ray.remote(num_cpus=0)
+class SaveWorker:
+    """A training-worker stand-in that saves through its own CheckpointCoordinator."""
+
+    def __init__(self, run: str, rank: int) -> None:
+        self.rank = rank
+        self.root = ray.get(ckptd.get_monitor(run).worker_config.remote())["root"]
+        self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run))
+        self.model = torch.nn.Linear(4, 4)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save(self, step: int, name: str = "model", is_state_dict: bool = False,
+             gate=None, fail: bool = False) -> float:
+        """save_async a torch.save of this worker's weights, as pipelines do; return blocked time."""
+        sd = {k: v.clone() for k, v in self.model.state_dict().items()}
+        path = f"{ckptd.step_dir(self.root, step)}/{name}_rank{self.rank}.pt"
+
+        def save_fn():
+            if gate is not None:
+                ray.get(gate.wait.remote())
+            if fail:
+                raise OSError(f"disk full on rank {self.rank}")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(sd, path)
+
+        t0 = time.perf_counter()
+        self.coord.save_async(name, save_fn, step, is_state_dict=is_state_dict)
+        return time.perf_counter() - t0
+
+    def wait_all(self) -> str | None:
+        try:
+            self.coord.wait_all()
+            return None
+        except ckptd.CheckpointSaveError as e:
+            return str(e)
+
+    def running_threads(self) -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptd-save-"))
+
+
+def status(monitor):
+    return ray.get(monitor.status.remote())
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    """Poll a condition that no event can signal (the monitor's internal state)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -1,0 +1,263 @@
+"""The commit rule and commit action against a real monitor actor, real files, real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import zlib
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.layout import MANIFESTS
+from ckptd.config import Kind
+
+from .helpers import SaveWorker, Signal, status
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def manifest(root: str, step: int, kind: Kind = Kind.CHECKPOINT) -> dict:
+    with open(f"{ckptd.step_dir(root, step)}/{MANIFESTS[kind]}") as f:
+        return json.load(f)
+
+
+def tracker(root: str, name: str = "latest_checkpointed_iteration.txt") -> str | None:
+    try:
+        with open(os.path.join(root, name)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def test_pipeline_usage_two_workers(make_monitor, run_name, tmp_path):
+    """save_async with a lambda on 2 worker actors, register_and_monitor, wait_all."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    workers = [SaveWorker.remote(run_name, r) for r in range(2)]
+    trainer = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    for step in (1, 2, 3):
+        is_sd = step != 3
+        ray.get([w.save.remote(step, "model", is_state_dict=is_sd) for w in workers])
+        counts = {"state_dict_thread_count": 2} if is_sd else {"checkpoint_thread_count": 2}
+        asyncio.run(trainer.register_and_monitor(step, is_state_dict=is_sd, **counts))
+    assert ray.get([w.wait_all.remote() for w in workers]) == [None, None]
+    trainer.wait_committed(3, timeout_s=30)
+    trainer.wait_committed(2, is_state_dict=True, timeout_s=30)
+
+    assert tracker(root) == "3\n"
+    assert tracker(root, "latest_state_dict_iteration.txt") == "3\n"  # a checkpoint advances both
+    assert ckptd.latest_step(root) == 3 and ckptd.latest_step(root, "state_dict") == 3
+    m = manifest(root, 3)
+    assert sorted(f["path"] for f in m["files"]) == ["model_rank0.pt", "model_rank1.pt"]
+    assert len(m["units"]) == 2
+    for f in m["files"]:
+        data = open(f"{ckptd.step_dir(root, 3)}/{f['path']}", "rb").read()
+        assert f["size"] == len(data) and f["crc32"] == f"{zlib.crc32(data):08x}"
+    assert manifest(root, 2, Kind.STATE_DICT)["kind"] == "state_dict"
+    assert not os.path.exists(f"{ckptd.step_dir(root, 2)}/ckptd_manifest.json")
+    s = status(monitor).step(3)
+    assert s.committed and s.expected == 2 and len(s.finished) == 2 and not s.failed
+
+
+def test_finish_before_registration(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_async("model", lambda: _write(root, 5, "a.bin"), 5)
+    coord.wait_all()
+    s = status(monitor).step(5)
+    assert s.finished == ["w0/model"] and not s.committed and s.expected is None
+    assert ckptd.latest_step(root) is None
+    coord.register(5, checkpoint_thread_count=1)
+    coord.wait_committed(5, timeout_s=30)
+    assert ckptd.latest_step(root) == 5
+
+
+def test_steps_completing_out_of_order(make_monitor, tmp_path):
+    """A later step finishing first: no assertion, the late older step gets its manifest, the
+    tracker never moves back."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    gate = Signal.remote()
+
+    def slow():
+        ray.get(gate.wait.remote())
+        _write(root, 1, "slow.bin")
+
+    coord.save_async("slow", slow, 1)
+    coord.save_async("fast", lambda: _write(root, 2, "fast.bin"), 2)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    coord.wait_committed(2, timeout_s=30)
+    assert tracker(root) == "2\n" and not status(monitor).step(1).committed
+    ray.get(gate.send.remote())
+    coord.wait_all()
+    coord.wait_committed(1, timeout_s=30)
+    assert manifest(root, 1)["files"][0]["path"] == "slow.bin"
+    assert tracker(root) == "2\n"
+
+
+def test_duplicate_notifications_count_once(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(7, checkpoint_thread_count=2)
+    # The same unit (worker, name, step, kind) saved twice, as a retry would: it counts once.
+    coord.save_async("model", lambda: _write(root, 7, "a.bin"), 7)
+    coord.save_async("model", lambda: _write(root, 7, "a.bin"), 7)
+    coord.wait_all()
+    # And a retried notification straight to the actor.
+    unit = {"worker": "w0", "name": "model", "step": 7, "kind": "checkpoint"}
+    ray.get(monitor.notify_finished.remote(unit, []))
+    s = status(monitor).step(7)
+    assert s.finished == ["w0/model"] and not s.committed
+    other = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
+    other.save_async("model", lambda: _write(root, 7, "b.bin"), 7)
+    other.wait_all()
+    coord.wait_committed(7, timeout_s=30)
+    assert sorted(f["path"] for f in manifest(root, 7)["files"]) == ["a.bin", "b.bin"]
+
+
+def test_failing_save_surfaces_and_never_commits(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_async("model", lambda: _write(root, 1, "a.bin"), 1)
+    coord.register(1, checkpoint_thread_count=2)
+
+    def broken():
+        _write(root, 1, "partial.bin")
+        raise OSError("disk full")
+
+    coord.save_async("optimizer", broken, 1)
+    with pytest.raises(ckptd.CheckpointSaveError) as info:
+        coord.wait_all()
+    err = info.value
+    assert err.step == 1 and err.unit == "w0/optimizer" and "OSError: disk full" in str(err)
+    assert isinstance(err.__cause__, OSError)
+    coord.wait_all()  # reported once
+
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(1, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError, match="w0/optimizer"):
+        coord.register(1, checkpoint_thread_count=2)
+    s = status(monitor).step(1)
+    assert s.state.value == "failed" and not s.committed
+    assert s.failed[0].error_type == "OSError" and "broken" in s.failed[0].traceback
+    assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/ckptd_manifest.json")
+    assert tracker(root) is None
+
+    # Later steps and later saves of the same name are unaffected.
+    coord.save_async("optimizer", lambda: _write(root, 2, "opt.bin"), 2)
+    coord.register(2, checkpoint_thread_count=1)
+    coord.wait_all()
+    coord.wait_committed(2, timeout_s=30)
+    assert ckptd.latest_step(root) == 2
+
+
+def test_save_sync_failure_raises_at_once(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_sync(lambda: _write(root, 1, "a.bin"), 1)
+    coord.save_sync(lambda: _write(root, 1, "b.bin"), 1)  # a second unit, not a duplicate
+    coord.register(1, checkpoint_thread_count=2)
+    coord.wait_committed(1, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError) as info:
+        coord.save_sync(lambda: 1 / 0, 2)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_same_name_serialised_different_names_concurrent(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", max_pending=4)
+    running: list[str] = []
+    overlaps: list[tuple[str, ...]] = []
+    lock = threading.Lock()
+    both_in = threading.Barrier(2, timeout=30)
+
+    def unit(label: str, meet: bool):
+        def fn():
+            with lock:
+                running.append(label)
+                overlaps.append(tuple(sorted(running)))
+            if meet:
+                both_in.wait()  # only returns if the other name runs at the same time
+            with lock:
+                running.remove(label)
+        return fn
+
+    coord.save_async("a", unit("a1", True), 1)
+    coord.save_async("b", unit("b1", True), 1)
+    for i in range(2, 5):
+        coord.save_async("a", unit(f"a{i}", False), i)
+    coord.wait_all()
+    a_runs = [o for o in overlaps if sum(x.startswith("a") for x in o) > 1]
+    assert a_runs == []  # never two units of name "a" at once
+    assert ("a1", "b1") in overlaps
+
+
+def test_bad_input_is_refused_before_anything_is_written(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    before = sorted(os.listdir(root))
+    cases = [
+        lambda: coord.save_async("model", lambda: None, -1),
+        lambda: coord.save_async("model", lambda: None, 1.5),
+        lambda: coord.save_async("../etc", lambda: None, 1),
+        lambda: coord.save_async("a/b", lambda: None, 1),
+        lambda: coord.save_async("", lambda: None, 1),
+        lambda: coord.save_async("model", "not callable", 1),
+        lambda: coord.register(1, checkpoint_thread_count=-2),
+        lambda: coord.register(-3, checkpoint_thread_count=1),
+        lambda: coord.register(1),  # nothing to register
+    ]
+    for case in cases:
+        with pytest.raises(ckptd.CheckpointConfigError):
+            case()
+    assert sorted(os.listdir(root)) == before
+    coord.register(4, checkpoint_thread_count=2)
+    with pytest.raises(ckptd.RegistrationConflictError, match="already registered with 2 units"):
+        coord.register(4, checkpoint_thread_count=3)
+    coord.register(4, checkpoint_thread_count=2)  # the same again is fine
+    assert status(monitor).step(4).expected == 2
+    with pytest.raises(ckptd.CheckpointConfigError, match="unknown option 'save_stratgy'"):
+        ckptd.start_monitor(root, run="other", save_stratgy="single_thread")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ckptd.CheckpointConfigError, match="cannot be written"):
+        ckptd.start_monitor(str(not_a_dir), run="other2")
+    with pytest.raises(ckptd.CheckpointConfigError, match="already exists with root"):
+        ckptd.start_monitor(str(tmp_path / "elsewhere"), run=status(monitor).run)
+
+
+def test_save_fn_may_return_its_paths(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+
+    def fn():
+        _write(root, 1, "x.bin")
+        return [f"{ckptd.step_dir(root, 1)}/x.bin"]
+
+    coord.save_async("model", fn, 1)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=30)
+    assert [f["path"] for f in manifest(root, 1)["files"]] == ["x.bin"]
+    coord.save_async("outside", lambda: [str(tmp_path / "elsewhere.bin")], 2)
+    with pytest.raises(ckptd.CheckpointSaveError, match="outside the step directory"):
+        coord.wait_all()
+
+
+def _write(root: str, step: int, name: str, data: bytes = b"x" * 1000) -> None:
+    d = ckptd.step_dir(root, step)
+    os.makedirs(d, exist_ok=True)
+    with open(f"{d}/{name}", "wb") as f:
+        f.write(data)

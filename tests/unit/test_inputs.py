@@ -1,0 +1,144 @@
+"""Validation of steps, names, counts, options and roots; failpoints; storage atomicity."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from ckptd import failpoints
+from ckptd.config import MonitorOptions, SaveStrategy
+from ckptd.errors import CheckpointConfigError, FailpointError
+from ckptd.layout import latest_step, step_dir
+from ckptd.storage import Storage
+from ckptd.units import check_count, check_name, check_step
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", None, True, 2.0])
+def test_bad_steps(bad):
+    with pytest.raises(CheckpointConfigError, match="global_step"):
+        check_step(bad)
+
+
+def test_good_steps():
+    import numpy as np
+
+    assert check_step(0) == 0 and check_step(np.int64(7)) == 7
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "a\\b", "..", "x..y", ".", "a\x00b", "tab\tname", 3, None, "x" * 201])
+def test_bad_names(bad):
+    with pytest.raises(CheckpointConfigError):
+        check_name(bad)
+
+
+@pytest.mark.parametrize("good", ["model", "optimizer_rank0", "w-1.bin", "é"])
+def test_good_names(good):
+    assert check_name(good) == good
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "2", True])
+def test_bad_counts(bad):
+    with pytest.raises(CheckpointConfigError, match="checkpoint_thread_count"):
+        check_count(bad, "checkpoint_thread_count")
+
+
+def test_unknown_and_invalid_options_say_what_to_do():
+    with pytest.raises(CheckpointConfigError, match="save_stratgy.*Known options:.*save_strategy"):
+        MonitorOptions.parse({"save_stratgy": "single_thread"})
+    with pytest.raises(CheckpointConfigError, match="step_timeout_s must be > 0"):
+        MonitorOptions.parse({"step_timeout_s": 0})
+    with pytest.raises(CheckpointConfigError, match="save_strategy"):
+        MonitorOptions.parse({"save_strategy": "one_at_a_time"})
+    assert MonitorOptions.parse({"save_strategy": "single_node"}).save_strategy is SaveStrategy.SINGLE_NODE
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_root_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    with pytest.raises(CheckpointConfigError, match="cannot be written"):
+        Storage(str(ro)).check_writable()
+
+
+def test_root_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(CheckpointConfigError, match="cannot be written"):
+        Storage(str(f)).check_writable()
+
+
+def test_relative_root_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert Storage("ckpts").root == str(tmp_path / "ckpts")
+
+
+def test_failpoints_reject_unknown_names_and_actions():
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        failpoints.arm("before_manifst")
+    with pytest.raises(ValueError, match="unknown failpoint action"):
+        failpoints.arm("before_manifest", "explode")
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        failpoints.hit("nope")
+
+
+def test_failpoints_fire_when_armed_in_process_or_env(monkeypatch):
+    failpoints.hit("before_manifest")  # not armed: nothing happens
+    failpoints.arm("before_manifest")
+    try:
+        with pytest.raises(FailpointError):
+            failpoints.hit("before_manifest")
+    finally:
+        failpoints.disarm()
+    failpoints.hit("before_manifest")
+    monkeypatch.setenv(failpoints.ENV_VAR, "after_unit_write=raise")
+    with pytest.raises(FailpointError):
+        failpoints.hit("after_unit_write")
+    monkeypatch.setenv(failpoints.ENV_VAR, "after_unit_wrte=raise")
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        failpoints.hit("after_unit_write")
+
+
+def test_atomic_write_failure_keeps_old_content_and_leaves_no_temp(tmp_path):
+    s = Storage(str(tmp_path))
+    path = s.join("tracker.txt")
+    s.write_atomic(path, b"1\n")
+    failpoints.arm("before_tracker_rename")
+    try:
+        with pytest.raises(FailpointError):
+            s.write_atomic(path, b"2\n", before_publish=lambda: failpoints.hit("before_tracker_rename"))
+    finally:
+        failpoints.disarm()
+    assert (tmp_path / "tracker.txt").read_text() == "1\n"
+    assert os.listdir(tmp_path) == ["tracker.txt"]
+
+
+def test_memory_backend_round_trip():
+    s = Storage("memory://ckptd-unit-test")
+    s.write_atomic(s.join("a", "b.txt"), b"hello")
+    assert s.read_bytes(s.join("a", "b.txt")) == b"hello"
+    assert s.walk_files(s.join("a"))["b.txt"].size == 5
+    s.rm(s.join("a"))
+    assert not s.exists(s.join("a", "b.txt"))
+
+
+def test_latest_step_requires_a_manifest(tmp_path):
+    root = str(tmp_path)
+    assert latest_step(root) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
+    os.makedirs(step_dir(root, 10))
+    assert latest_step(root) is None  # tracker points at a step with no manifest
+    os.makedirs(step_dir(root, 9))
+    (tmp_path / "global_step_9" / "ckptd_manifest.json").write_text("{}")
+    assert latest_step(root) == 9
+    assert latest_step(root, "state_dict") == 9  # a full checkpoint counts as a state dict
+    with pytest.raises(CheckpointConfigError, match="kind must be"):
+        latest_step(root, "weights")
+
+
+def test_step_dir_sorts_numerically_and_validates(tmp_path):
+    assert step_dir("s3://b/run/", 10) == "s3://b/run/global_step_10"
+    with pytest.raises(CheckpointConfigError):
+        step_dir("/x", -1)

@@ -6,6 +6,7 @@ reaches Ray actors through ``runtime_env={"env_vars": {...}}``. Actions:
 
 * ``raise``: raise :class:`~ckptd.errors.FailpointError` at that point.
 * ``crash``: end the process at once with ``os._exit(137)``, as a SIGKILL would.
+* ``delay:SECONDS``: sleep, as slow storage would.
 
 Unknown failpoint names and actions raise ``ValueError``, so a typo cannot make a fault test pass
 without injecting anything.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from ckptd.errors import FailpointError
 
@@ -34,8 +36,15 @@ _armed: dict[str, str] = {}
 def _check(name: str, action: str) -> None:
     if name not in FAILPOINTS:
         raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(FAILPOINTS))}")
-    if action not in ACTIONS:
-        raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS}")
+    if action in ACTIONS:
+        return
+    kind, _, arg = action.partition(":")
+    try:
+        if kind == "delay" and float(arg) >= 0:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS} or delay:SECONDS")
 
 
 def _from_env() -> dict[str, str]:
@@ -79,3 +88,5 @@ def hit(name: str) -> None:
         raise FailpointError(f"failpoint {name!r} fired")
     if action == "crash":
         os._exit(137)
+    if action is not None and action.startswith("delay:"):
+        time.sleep(float(action.split(":", 1)[1]))

@@ -51,7 +51,13 @@ def write_step_failure(storage: Storage, step: int, kind: Kind, reason: str) -> 
 
 
 def remove_pending(storage: Storage, step: int, kind: Kind) -> None:
-    storage.rm(pending_dir(storage, step, kind))
+    d = pending_dir(storage, step, kind)
+    storage.rm(d)
+    try:
+        # rmdir, not rm: the other kind of the same step may be registering right now.
+        storage.fs.rmdir(d.rsplit("/", 1)[0])
+    except (OSError, NotImplementedError):
+        pass
 
 
 def _receipt_path(storage: Storage, unit: UnitId) -> str:

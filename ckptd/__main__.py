@@ -1,0 +1,5 @@
+import sys
+
+from ckptd.cli import main
+
+sys.exit(main())

@@ -8,6 +8,10 @@ reaches Ray actors through ``runtime_env={"env_vars": {...}}``. Actions:
 * ``crash``: end the process at once with ``os._exit(137)``, as a SIGKILL would.
 * ``delay:SECONDS``: sleep, as slow storage would.
 
+With ``CKPTD_FAILPOINTS_ONCE=DIR`` set, each failpoint fires once across every process that
+shares DIR (a marker file records it). That is what a crash drill needs: the restarted process
+inherits the same environment and must not crash again at the same point.
+
 Unknown failpoint names and actions raise ``ValueError``, so a typo cannot make a fault test pass
 without injecting anything.
 """
@@ -28,6 +32,7 @@ FAILPOINTS: dict[str, str] = {
 }
 ACTIONS = ("raise", "crash")
 ENV_VAR = "CKPTD_FAILPOINTS"
+ONCE_ENV_VAR = "CKPTD_FAILPOINTS_ONCE"
 
 _lock = threading.Lock()
 _armed: dict[str, str] = {}
@@ -84,9 +89,25 @@ def hit(name: str) -> None:
         action = _armed.get(name)
     if action is None and ENV_VAR in os.environ:
         action = _from_env().get(name)
+    if action is not None and not _first_time(name):
+        return
     if action == "raise":
         raise FailpointError(f"failpoint {name!r} fired")
     if action == "crash":
         os._exit(137)
     if action is not None and action.startswith("delay:"):
         time.sleep(float(action.split(":", 1)[1]))
+
+
+def _first_time(name: str) -> bool:
+    once_dir = os.environ.get(ONCE_ENV_VAR)
+    if not once_dir:
+        return True
+    os.makedirs(once_dir, exist_ok=True)
+    try:
+        fd = os.open(os.path.join(once_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.fsync(fd)  # the marker must outlive the crash it announces
+    os.close(fd)
+    return True

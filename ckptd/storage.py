@@ -97,14 +97,19 @@ class Storage:
         if not self.is_posix:
             if before_publish is not None:
                 before_publish()
-            self.fs.pipe_file(path, data)
+            self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
             return
+        with self._posix_atomic(path, before_publish) as f:
+            f.write(data)
+
+    @contextmanager
+    def _posix_atomic(self, path: str, before_publish: Callable[[], None] | None) -> Iterator[IO[bytes]]:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             if before_publish is not None:
@@ -112,30 +117,6 @@ class Storage:
             os.replace(tmp, path)
         except BaseException:
             # A failed publication leaves nothing behind; the old file (if any) is untouched.
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(directory)
-
-    @contextmanager
-    def open_atomic(self, path: str) -> Iterator[IO[bytes]]:
-        """Stream a file to ``path``; it is published atomically when the block exits cleanly."""
-        if not self.is_posix:
-            with self.fs.open(path, "wb") as f:  # object stores publish on close
-                yield f
-            return
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
-        try:
-            with open(tmp, "wb") as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:

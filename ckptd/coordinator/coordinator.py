@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 
 from ckptd import failpoints
 from ckptd.config import Kind, SaveStrategy
+from ckptd.coordinator.files import describe_returned_files, discover_files
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.layout import step_dir_name
 from ckptd.manifest import FileEntry
@@ -32,7 +33,6 @@ from ckptd.monitor import journal
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.monitor.service import actor_name
 from ckptd.storage import Storage
-from ckptd.coordinator.files import discover_files, describe_returned_files
 from ckptd.units import UnitId, check_count, check_name, check_step
 
 log = logging.getLogger("ckptd.coordinator")

@@ -9,7 +9,6 @@ workers themselves, which is what lets a restarted monitor rebuild its ledger fr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -100,11 +99,11 @@ class CheckpointMonitor:
                 continue
             first_seen = pending.first_seen() or now
             if pending.count is not None:
-                rec = self._ledger.register(pending.step, pending.kind, pending.count, first_seen)
+                self._ledger.register(pending.step, pending.kind, pending.count, first_seen)
             for unit, (t, files) in pending.finished.items():
-                rec = self._ledger.finish(unit, files, t)
+                self._ledger.finish(unit, files, t)
             for unit, (t, failure) in pending.failed.items():
-                rec = self._ledger.fail(unit, failure, t)
+                self._ledger.fail(unit, failure, t)
             rec = self._ledger.get(pending.step, pending.kind)
             if rec is None:
                 continue
@@ -152,7 +151,8 @@ class CheckpointMonitor:
             parsed = {Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()}
             monitored_kind = Kind(monitored)
             todo = {k: n for k, n in parsed.items() if n > 0}
-            if not todo and self._ledger.get(step, monitored_kind) is None and not self._ledger.is_committed(step, monitored_kind):
+            known = self._ledger.get(step, monitored_kind) is not None
+            if not todo and not known and not self._ledger.is_committed(step, monitored_kind):
                 raise CheckpointConfigError(
                     f"register_and_monitor(global_step={step}) got no unit counts and step {step} "
                     f"has no {monitored_kind.value} registration; pass state_dict_thread_count or "
@@ -404,6 +404,3 @@ def monitor_actor_class():
     """The Ray actor class (built lazily so that importing ckptd does not need Ray running)."""
     return ray.remote(CheckpointMonitor)
 
-
-def dump_status(status: MonitorStatus) -> str:
-    return json.dumps(status.model_dump(mode="json"), indent=1)

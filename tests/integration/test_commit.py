@@ -12,8 +12,8 @@ import pytest
 import ray
 
 import ckptd
-from ckptd.layout import MANIFESTS
 from ckptd.config import Kind
+from ckptd.layout import MANIFESTS
 
 from .helpers import SaveWorker, Signal, status
 

@@ -10,8 +10,8 @@ import pytest
 import ray
 
 import ckptd
-from ckptd.layout import MANIFESTS
 from ckptd.config import Kind
+from ckptd.layout import MANIFESTS
 
 from .helpers import SaveWorker, Signal, status, wait_for
 
@@ -120,6 +120,24 @@ def _env(spec: str) -> dict:
     return {"env_vars": {"CKPTD_FAILPOINTS": spec}}
 
 
+@pytest.mark.parametrize("point", ["before_manifest", "before_tracker_rename"])
+def test_monitor_crash_in_the_commit_path_recovers(make_monitor, tmp_path, point):
+    """SIGKILL-like exit at each monitor failpoint: after the restart the step still commits,
+    and the tracker ends up at it."""
+    root = str(tmp_path / "ckpt")
+    env = {"env_vars": {"CKPTD_FAILPOINTS": f"{point}=crash", "CKPTD_FAILPOINTS_ONCE": str(tmp_path / "fp")}}
+    monitor = make_monitor(root, runtime_env=env)
+    first = ray.get(monitor.ping.remote())
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_all()
+    coord.wait_committed(1, timeout_s=60)
+    assert os.path.exists(tmp_path / "fp" / point)  # the crash did happen
+    assert ray.get(monitor.ping.remote())["started_at"] != first["started_at"]
+    assert _has_manifest(root, 1) and _tracker(root) == "1\n"
+
+
 def test_failpoint_before_manifest(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, commit_retries=1, runtime_env=_env("before_manifest=raise"))
@@ -149,10 +167,10 @@ def test_failpoint_after_unit_write_fails_the_unit(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(1, checkpoint_thread_count=1)
     failpoints.arm("after_unit_write")
     try:
         coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
-        coord.register(1, checkpoint_thread_count=1)
         with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
             coord.wait_all()
     finally:

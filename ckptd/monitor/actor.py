@@ -295,13 +295,16 @@ class CheckpointMonitor:
             self._on_failed(rec)
             await self._record_step_failure(rec, reason)
             return
-        # The manifest makes the step committed; the trackers only point at it.
-        self._ledger.commit_done(rec, time.time())
+        # The manifest makes the step committed for readers; the trackers only point at it. A
+        # tracker that cannot be advanced does not uncommit the step (the next commit, or the
+        # next start-up, moves it forward). Waiters are released only after both, so that
+        # latest_step() agrees with wait_committed().
         try:
             await self._advance_trackers(rec.step, rec.kind)
         except Exception as e:
             rec.reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
             log.error("step %d (%s): %s", rec.step, rec.kind.value, rec.reason)
+        self._ledger.commit_done(rec, time.time())
         event = self._events.pop(rec.key, None)
         if event is not None:
             event.set()

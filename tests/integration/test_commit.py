@@ -36,7 +36,7 @@ def tracker(root: str, name: str = "latest_checkpointed_iteration.txt") -> str |
 def test_pipeline_usage_two_workers(make_monitor, run_name, tmp_path):
     """save_async with a lambda on 2 worker actors, register_and_monitor, wait_all."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
+    monitor = make_monitor(root, storage_options={"auto_mkdir": True})
     workers = [SaveWorker.remote(run_name, r) for r in range(2)]
     trainer = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
     for step in (1, 2, 3):
@@ -59,8 +59,12 @@ def test_pipeline_usage_two_workers(make_monitor, run_name, tmp_path):
         assert f["size"] == len(data) and f["crc32"] == f"{zlib.crc32(data):08x}"
     assert manifest(root, 2, Kind.STATE_DICT)["kind"] == "state_dict"
     assert not os.path.exists(f"{ckptd.step_dir(root, 2)}/ckptd_manifest.json")
-    s = status(monitor).step(3)
+    full = status(monitor)
+    s = full.step(3)
     assert s.committed and s.expected == 2 and len(s.finished) == 2 and not s.failed
+    dumped = json.loads(full.model_dump_json())
+    assert dumped["trackers"] == {"checkpoint": 3, "state_dict": 3}
+    assert "auto_mkdir" not in full.model_dump_json()  # storage options never shown
 
 
 def test_finish_before_registration(make_monitor, tmp_path):

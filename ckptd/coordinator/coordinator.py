@@ -108,6 +108,8 @@ class CheckpointCoordinator:
     ) -> None:
         if check_count(max_pending, "max_pending") < 1:
             raise CheckpointConfigError("max_pending must be >= 1")
+        if worker_id is not None:
+            check_name(worker_id, "worker_id")
         self._monitor = checkpoint_monitor
         self._notify_timeout_s = float(notify_timeout_s)
         cfg = self._call("worker_config")

@@ -12,7 +12,6 @@ from ckptd.errors import (
     CheckpointSaveError,
     CorruptCheckpointError,
     RegistrationConflictError,
-    StorageError,
 )
 from ckptd.layout import latest_step, step_dir
 from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
@@ -31,7 +30,6 @@ __all__ = [
     "RegistrationConflictError",
     "SaveStrategy",
     "StepStatus",
-    "StorageError",
     "get_monitor",
     "latest_step",
     "start_monitor",

@@ -20,10 +20,6 @@ class RegistrationConflictError(CheckpointConfigError):
     """A registration disagrees with an earlier registration of the same step and kind."""
 
 
-class StorageError(CheckpointError, OSError):
-    """The checkpoint storage could not be read or written."""
-
-
 class CorruptCheckpointError(CheckpointError, ValueError):
     """A committed checkpoint does not match its manifest."""
 

@@ -47,9 +47,11 @@ class TrainWorker:
         self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id=f"rank{rank}")
         self.save_seconds: list[float] = []
 
-    def _timed(self, fn):
+    def _background(self, out: str, fn):
+        """The save function: everything but the snapshot runs in the save thread, timed."""
         def run():
             t0 = time.perf_counter()
+            os.makedirs(out, exist_ok=True)
             fn()
             self.save_seconds.append(time.perf_counter() - t0)
         return run
@@ -64,17 +66,16 @@ class TrainWorker:
         # Snapshot before training goes on: the optimizer changes these tensors in place.
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         out = ckptd.step_dir(self.root, step)
-        os.makedirs(out, exist_ok=True)
         self.coord.save_async(
             "weights",
-            self._timed(lambda: save_file(weights, f"{out}/model_rank{self.rank}.safetensors")),
+            self._background(out, lambda: save_file(weights, f"{out}/model_rank{self.rank}.safetensors")),
             step, is_state_dict=True,
         )
         if full_checkpoint:
             state = {"optimizer": _clone(self.optimizer.state_dict()), "step": step}
             self.coord.save_async(
                 "checkpoint",
-                self._timed(lambda: torch.save(state, f"{out}/optim_rank{self.rank}.pt")),
+                self._background(out, lambda: torch.save(state, f"{out}/optim_rank{self.rank}.pt")),
                 step,
             )
         return StepReport(step, float(loss), (time.perf_counter() - t0) * 1000)

@@ -116,8 +116,19 @@ def test_timeout_fails_the_step_with_a_reason_and_survives_restart(make_monitor,
     assert not _has_manifest(root, 3) and ckptd.latest_step(root) == 4
 
 
-def _env(spec: str) -> dict:
-    return {"env_vars": {"CKPTD_FAILPOINTS": spec}}
+def _env(spec: str, once_dir=None) -> dict:
+    env = {"CKPTD_FAILPOINTS": spec}
+    if once_dir is not None:
+        env["CKPTD_FAILPOINTS_ONCE"] = str(once_dir)
+    return {"env_vars": env}
+
+
+def _save_step_one(monitor, root: str) -> ckptd.CheckpointCoordinator:
+    """One unit of step 1, saved and registered: the step the commit-path tests commit."""
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
+    coord.register(1, checkpoint_thread_count=1)
+    return coord
 
 
 @pytest.mark.parametrize("point", ["before_manifest", "before_tracker_rename"])
@@ -125,12 +136,9 @@ def test_monitor_crash_in_the_commit_path_recovers(make_monitor, tmp_path, point
     """SIGKILL-like exit at each monitor failpoint: after the restart the step still commits,
     and the tracker ends up at it."""
     root = str(tmp_path / "ckpt")
-    env = {"env_vars": {"CKPTD_FAILPOINTS": f"{point}=crash", "CKPTD_FAILPOINTS_ONCE": str(tmp_path / "fp")}}
-    monitor = make_monitor(root, runtime_env=env)
+    monitor = make_monitor(root, runtime_env=_env(f"{point}=crash", once_dir=tmp_path / "fp"))
     first = ray.get(monitor.ping.remote())
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord = _save_step_one(monitor, root)
     coord.wait_all()
     coord.wait_committed(1, timeout_s=60)
     assert os.path.exists(tmp_path / "fp" / point)  # the crash did happen
@@ -141,9 +149,7 @@ def test_monitor_crash_in_the_commit_path_recovers(make_monitor, tmp_path, point
 def test_failpoint_before_manifest(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, commit_retries=1, runtime_env=_env("before_manifest=raise"))
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord = _save_step_one(monitor, root)
     with pytest.raises(ckptd.CheckpointSaveError, match="commit failed after 2 attempts: FailpointError"):
         coord.wait_committed(1, timeout_s=30)
     assert not _has_manifest(root, 1) and _tracker(root) is None and ckptd.latest_step(root) is None
@@ -152,9 +158,7 @@ def test_failpoint_before_manifest(make_monitor, tmp_path):
 def test_failpoint_before_tracker_rename(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, commit_retries=0, runtime_env=_env("before_tracker_rename=raise"))
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord = _save_step_one(monitor, root)
     coord.wait_committed(1, timeout_s=30)  # the manifest is what commits
     assert _has_manifest(root, 1) and _tracker(root) is None
     assert "tracker could not be advanced" in status(monitor).step(1).reason
@@ -181,9 +185,7 @@ def test_failpoint_after_unit_write_fails_the_unit(make_monitor, tmp_path):
 def test_slow_commit_io_does_not_block_the_monitor(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, runtime_env=_env("before_manifest=delay:3"))
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 1, "m.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord = _save_step_one(monitor, root)
     # Status is served, and other steps are registered, while the manifest write is stalled.
     wait_for(lambda: status(monitor).step(1).state.value == "committing", what="a commit in progress")
     coord.register(2, checkpoint_thread_count=1)

@@ -12,9 +12,13 @@ from ckptd.errors import (
     CheckpointSaveError,
     CorruptCheckpointError,
     RegistrationConflictError,
+    UnsafeCheckpointError,
 )
 from ckptd.layout import latest_step, step_dir
+from ckptd.manifest import WrittenFile
 from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
+from ckptd.resume import ResumeState, resume
+from ckptd.verify import verify
 
 __version__ = "0.1.0"
 
@@ -28,10 +32,15 @@ __all__ = [
     "MonitorOptions",
     "MonitorStatus",
     "RegistrationConflictError",
+    "ResumeState",
     "SaveStrategy",
     "StepStatus",
+    "UnsafeCheckpointError",
+    "WrittenFile",
     "get_monitor",
     "latest_step",
+    "resume",
     "start_monitor",
     "step_dir",
+    "verify",
 ]

@@ -47,6 +47,20 @@ class MonitorOptions(BaseModel):
             marked failed.
         status_history: How many committed or failed steps ``status()`` reports in detail.
         detached: Start the monitor as a detached actor that outlives the driver.
+        step_dir_template: How step directories are named: ``global_step_{step}`` (verl),
+            ``epoch-{epoch}_step-{step}`` (ColossalChat) or ``step_{step}`` (open-instruct).
+            Recorded under the root; a root keeps the template it was first used with.
+        max_ckpt_to_keep: Keep this many newest full checkpoints; None keeps all.
+        max_state_dict_to_keep: Keep this many newest state dicts (full checkpoints count);
+            None keeps all. The default, 2, keeps the previous version for readers that are
+            still loading it.
+        keep_every_n_steps: Never delete steps that are a multiple of this; None for none.
+        leftover_grace_s: Step directories without a manifest that are older than the newest
+            commit are deleted once nothing in them has changed for this long (failed steps
+            are deleted at once).
+
+    NOTE: retention deletes whole step directories, and only committed steps older than the
+    newest commit. The tracker targets and steps still being saved are never deleted.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
@@ -57,8 +71,38 @@ class MonitorOptions(BaseModel):
     commit_retries: int = Field(default=3)
     status_history: int = Field(default=100)
     detached: bool = False
+    step_dir_template: str = "global_step_{step}"
+    max_ckpt_to_keep: int | None = None
+    max_state_dict_to_keep: int | None = 2
+    keep_every_n_steps: int | None = None
+    leftover_grace_s: float = Field(default=600.0)
 
-    @field_validator("step_timeout_s", "slot_lease_s")
+    @field_validator("step_dir_template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        from ckptd.units import StepDirTemplate  # units imports this module for Kind
+
+        return StepDirTemplate(v).template
+
+    @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
+    @classmethod
+    def _keep(cls, v: int | None, info) -> int | None:
+        if v is not None and v < 2:
+            raise ValueError(
+                f"{info.field_name} must be >= 2, or None to keep all, got {v}. Keeping only one "
+                "would delete the previous step while a reader (a resuming job, a rollout worker) "
+                "may still be loading it"
+            )
+        return v
+
+    @field_validator("keep_every_n_steps")
+    @classmethod
+    def _every(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"keep_every_n_steps must be >= 1, or None, got {v}")
+        return v
+
+    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:
         if not v > 0:

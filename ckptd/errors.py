@@ -24,6 +24,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """A committed checkpoint does not match its manifest."""
 
 
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file would need arbitrary Python objects unpickled to load; it was refused."""
+
+
 class FailpointError(CheckpointError):
     """Raised by a failpoint armed with the ``raise`` action (tests and fault drills only)."""
 

@@ -29,6 +29,7 @@ FAILPOINTS: dict[str, str] = {
     "after_unit_write": "worker: save_fn returned and files were checksummed, before the receipt",
     "before_manifest": "monitor: a step is complete, before its manifest is written",
     "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
+    "before_step_delete": "monitor: retention is about to delete a step directory",
 }
 ACTIONS = ("raise", "crash")
 ENV_VAR = "CKPTD_FAILPOINTS"

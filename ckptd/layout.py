@@ -3,25 +3,31 @@
     root/
       latest_checkpointed_iteration.txt      tracker: last committed full checkpoint
       latest_state_dict_iteration.txt        tracker: last committed state dict (or checkpoint)
-      global_step_{S}/                       what the save units wrote, plus
+      global_step_{S}/                       what the save units wrote (the name is a template)
         ckptd_manifest.json                  written last: the step's checkpoint is committed
         ckptd_state_dict_manifest.json       written last: the step's state dict is committed
+      .ckptd/layout.json                     the step directory template of this root
       .ckptd/pending/{S}/{kind}/             the monitor's ledger for steps not yet committed
         registration.json                    expected unit count
         units/{worker}~{name}.json           one receipt per finished or failed unit
         failed.json                          why the step failed as a whole (timeout, commit)
 
-A step of a kind exists for readers only if its manifest exists, on every backend.
+A step of a kind exists for readers only if its manifest exists, on every backend. Steps are
+always ordered by the number parsed from the directory name, never by the name.
 """
 
 from __future__ import annotations
 
-import re
+import json
+import logging
+from dataclasses import dataclass
 
 from ckptd.config import Kind
-from ckptd.errors import CheckpointConfigError
+from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.storage import Storage
-from ckptd.units import check_step
+from ckptd.units import StepDirTemplate
+
+log = logging.getLogger(__name__)
 
 TRACKERS: dict[Kind, str] = {
     Kind.CHECKPOINT: "latest_checkpointed_iteration.txt",
@@ -31,31 +37,113 @@ MANIFESTS: dict[Kind, str] = {
     Kind.CHECKPOINT: "ckptd_manifest.json",
     Kind.STATE_DICT: "ckptd_state_dict_manifest.json",
 }
-STEP_DIR_PREFIX = "global_step_"
-_STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+DEFAULT_TEMPLATE = "global_step_{step}"
 LEDGER_DIR = ".ckptd"
+_LAYOUT_FILE = "layout.json"
 
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_DIR_PREFIX}{check_step(step)}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step of a step directory's base name, or None if it is not one."""
-    m = _STEP_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def step_dir(root: str, step: int) -> str:
-    """The directory that holds step ``step`` under ``root`` (a path or URL, returned as such).
-
-    Save functions write the step's files here; the monitor writes the manifest here last.
-    """
-    return f"{root.rstrip('/')}/{step_dir_name(step)}"
+# Templates read from storage, per root URL. A root's template never changes once recorded.
+_known_templates: dict[str, StepDirTemplate] = {}
 
 
 def pending_dir(storage: Storage, step: int, kind: Kind) -> str:
     return storage.join(LEDGER_DIR, "pending", str(step), kind.value)
+
+
+# -- the template of a root ---------------------------------------------------------------------
+
+
+def read_template(storage: Storage) -> StepDirTemplate:
+    """The step directory template recorded under the root (the default if none is)."""
+    known = _known_templates.get(storage.url)
+    if known is not None:
+        return known
+    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
+    if text is None:
+        return StepDirTemplate(DEFAULT_TEMPLATE)
+    template = StepDirTemplate(json.loads(text)["step_dir_template"])
+    _known_templates[storage.url] = template
+    return template
+
+
+def record_template(storage: Storage, template: StepDirTemplate) -> None:
+    """Record the root's template, or raise if the root already uses another one."""
+    path = storage.join(LEDGER_DIR, _LAYOUT_FILE)
+    text = storage.read_text_or_none(path)
+    if text is not None:
+        existing = json.loads(text)["step_dir_template"]
+        if existing != template.template:
+            raise CheckpointConfigError(
+                f"checkpoint root {storage.url!r} names its step directories {existing!r}; this "
+                f"monitor was configured with {template.template!r}. Use the root's template or "
+                "another root"
+            )
+        return
+    storage.write_atomic(path, json.dumps({"step_dir_template": template.template}).encode())
+    _known_templates[storage.url] = template
+
+
+# -- finding steps -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A step directory found under the root, and the kinds committed in it."""
+
+    step: int
+    name: str
+    kinds: frozenset[Kind]
+
+    @property
+    def committed(self) -> bool:
+        return bool(self.kinds)
+
+
+def _kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
+    names = set(storage.listdir(storage.join(name)))
+    return frozenset(k for k in Kind if MANIFESTS[k] in names)
+
+
+def scan_steps(storage: Storage, template: StepDirTemplate | None = None) -> dict[int, StepEntry]:
+    """Every step directory under the root, keyed by step.
+
+    If two directories hold the same step (an epoch template, with a crashed attempt left under
+    another epoch), the committed one wins.
+    """
+    template = template or read_template(storage)
+    found: dict[int, StepEntry] = {}
+    for name in storage.listdir(storage.root):
+        step = template.parse(name)
+        if step is None:
+            continue
+        entry = StepEntry(step, name, _kinds_in(storage, name))
+        other = found.get(step)
+        if other is not None:
+            log.warning("step %d has two directories, %s and %s", step, other.name, name)
+            if other.committed and not entry.committed:
+                continue
+        found[step] = entry
+    return found
+
+
+def find_step_dir(storage: Storage, step: int, template: StepDirTemplate | None = None) -> str | None:
+    """The base name of the directory of ``step``, or None if an epoch template finds none.
+
+    Raises:
+        CheckpointError: two directories hold ``step`` and neither or both are committed.
+    """
+    template = template or read_template(storage)
+    if not template.needs_epoch:
+        return template.name(step)
+    names = [n for n in storage.listdir(storage.root) if template.parse(n) == step]
+    if len(names) > 1:
+        committed = [n for n in names if _kinds_in(storage, n)]
+        if len(committed) != 1:
+            raise CheckpointError(
+                f"step {step} has several directories under {storage.url}: {sorted(names)}; "
+                "remove the ones that are not this run's"
+            )
+        names = committed
+    return names[0] if names else None
 
 
 def parse_tracker(text: str | None) -> int | None:
@@ -69,32 +157,30 @@ def read_tracker(storage: Storage, kind: Kind) -> int | None:
     return parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[kind])))
 
 
-def is_committed(storage: Storage, step: int, kind: Kind) -> bool:
-    """The one predicate every reader asks: is step ``step`` committed as ``kind``?
+def _counts_as(kinds: frozenset[Kind], kind: Kind) -> bool:
+    # A full checkpoint holds the weights too, so it also counts as a state dict.
+    return Kind.CHECKPOINT in kinds or (kind is Kind.STATE_DICT and Kind.STATE_DICT in kinds)
 
-    A full checkpoint also counts as a state dict.
-    """
-    base = storage.join(step_dir_name(step))
-    kinds = (Kind.CHECKPOINT,) if kind is Kind.CHECKPOINT else (Kind.STATE_DICT, Kind.CHECKPOINT)
-    return any(storage.exists(f"{base}/{MANIFESTS[k]}") for k in kinds)
+
+def is_committed(storage: Storage, step: int, kind: Kind) -> bool:
+    """The one predicate every reader asks: is step ``step`` committed as ``kind``?"""
+    name = find_step_dir(storage, step)
+    return name is not None and _counts_as(_kinds_in(storage, name), kind)
 
 
 def committed_steps(storage: Storage, kind: Kind) -> list[int]:
     """Every step committed as ``kind``, sorted numerically."""
-    names = {MANIFESTS[kind]} if kind is Kind.CHECKPOINT else set(MANIFESTS.values())
-    steps = []
-    for entry in storage.listdir(storage.root):
-        step = parse_step_dir(entry)
-        if step is None:
-            continue
-        if names & set(storage.listdir(storage.join(entry))):
-            steps.append(step)
-    return sorted(steps)
+    return sorted(s for s, e in scan_steps(storage).items() if _counts_as(e.kinds, kind))
 
 
-def latest_step(
-    root: str, kind: str = "checkpoint", storage_options: dict | None = None
-) -> int | None:
+def parse_kind(kind: str) -> Kind:
+    try:
+        return Kind(kind)
+    except ValueError:
+        raise CheckpointConfigError(f"kind must be 'checkpoint' or 'state_dict', got {kind!r}") from None
+
+
+def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | None = None) -> int | None:
     """The newest committed step of ``kind`` under ``root``, or None if there is none.
 
     Reads the tracker, then confirms the step's manifest exists. A tracker that points at a step
@@ -107,13 +193,39 @@ def latest_step(
             checkpoints count too).
         storage_options: fsspec options for ``root``.
     """
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise CheckpointConfigError(f"kind must be 'checkpoint' or 'state_dict', got {kind!r}") from None
+    k = parse_kind(kind)
     storage = Storage(root, storage_options)
     tracked = read_tracker(storage, k)
     if tracked is not None and is_committed(storage, tracked, k):
         return tracked
     steps = committed_steps(storage, k)
     return steps[-1] if steps else None
+
+
+def step_dir(root: str, step: int, *, epoch: int | None = None, storage_options: dict | None = None) -> str:
+    """The directory that holds step ``step`` under ``root`` (a path or URL, returned as such).
+
+    Save functions write the step's files here; the monitor writes the manifest here last. The
+    name follows the root's step directory template (``global_step_{step}`` unless the monitor
+    was started with another ``step_dir_template``).
+
+    Args:
+        root: The checkpoint root.
+        step: The training step.
+        epoch: Required when the template has ``{epoch}`` (e.g. ``epoch-{epoch}_step-{step}``);
+            for reading an existing step it may be left out, and the directory is looked up.
+        storage_options: fsspec options for ``root``.
+
+    Raises:
+        CheckpointConfigError: a bad step, or an epoch template without ``epoch`` for a step
+            that does not exist yet.
+    """
+    storage = Storage(root, storage_options)
+    template = read_template(storage)
+    if template.needs_epoch and epoch is None:
+        name = find_step_dir(storage, step, template)
+        if name is None:
+            template.name(step)  # raises: says to pass the epoch
+    else:
+        name = template.name(step, epoch)
+    return f"{root.rstrip('/')}/{name}"

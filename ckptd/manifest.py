@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,6 +29,24 @@ class FileEntry(BaseModel):
     size: int
     crc32: str
     mtime_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file a writer produced, with the checksum it computed while writing.
+
+    Save functions may return these instead of paths, so the coordinator does not read the file
+    back to checksum it.
+
+    Attributes:
+        path: Absolute path or URL of the file, or a path relative to the step directory.
+        size: Bytes written.
+        crc32: CRC-32 of the content, 8 lowercase hex digits.
+    """
+
+    path: str
+    size: int
+    crc32: str
 
 
 class Manifest(BaseModel):

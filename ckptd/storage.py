@@ -124,6 +124,31 @@ class Storage:
             raise
         _fsync_dir(directory)
 
+    def make_durable(self, paths: list[str]) -> None:
+        """Make files written with plain writes durable before anything points at them.
+
+        POSIX: fsync each file, then every directory from the files up to the root, because a
+        new directory entry is not durable until its directory is. Elsewhere nothing is needed:
+        an object is durable once its upload completed.
+        """
+        if not self.is_posix:
+            return
+        dirs: set[str] = set()
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            d = os.path.dirname(path)
+            while d.startswith(self.root) and d not in dirs:
+                dirs.add(d)
+                if d == self.root:
+                    break
+                d = os.path.dirname(d)
+        for d in sorted(dirs, key=len, reverse=True):
+            _fsync_dir(d)
+
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 

@@ -25,15 +25,15 @@ from ray.exceptions import RayActorError
 
 from ckptd import failpoints
 from ckptd.config import Kind, SaveStrategy
-from ckptd.coordinator.files import describe_returned_files, discover_files
+from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
-from ckptd.layout import step_dir_name
+from ckptd.layout import find_step_dir
 from ckptd.manifest import FileEntry
 from ckptd.monitor import journal
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.monitor.service import actor_name
 from ckptd.storage import Storage
-from ckptd.units import UnitId, check_count, check_name, check_step
+from ckptd.units import StepDirTemplate, UnitId, check_count, check_name, check_step
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -114,7 +114,9 @@ class CheckpointCoordinator:
         self._notify_timeout_s = float(notify_timeout_s)
         cfg = self._call("worker_config")
         self._run = cfg["run"]
+        self._root_url = cfg["root"]
         self._storage = Storage(cfg["root"], cfg["storage_options"])
+        self._template = StepDirTemplate(cfg["step_dir_template"])
         self._strategy = SaveStrategy(cfg["save_strategy"])
         self._lease_s = float(cfg["slot_lease_s"])
         self._worker = check_name(worker_id or _default_worker_id(), "worker_id")
@@ -150,10 +152,11 @@ class CheckpointCoordinator:
         A failure is reported to the monitor (the step is then never committed) and raised by
         the next :meth:`wait_all`.
 
-        ``save_fn`` writes its files under ``ckptd.step_dir(root, global_step)``. It may return
-        the paths it wrote; otherwise the files that appeared or changed in the step directory
+        ``save_fn`` writes its files under :meth:`step_dir` (``ckptd.step_dir(root, step)``). It
+        may return the paths it wrote, or :class:`ckptd.WrittenFile` records (the writers in
+        :mod:`ckptd.workers` do); otherwise the files that appeared or changed in the step directory
         while it ran are attributed to it. Either way they are checksummed in this background
-        thread and listed in the step's manifest.
+        thread, made durable (fsync on POSIX) and listed in the step's manifest.
 
         Args:
             name: The save's name, e.g. ``"model"``; a plain identifier without path separators.
@@ -344,7 +347,6 @@ class CheckpointCoordinator:
                 self._heartbeat.start()
 
     def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
-        step_path = self._storage.join(step_dir_name(unit.step))
         started_ns = time.time_ns()
         returned = save_fn()
         if returned is not None:
@@ -352,8 +354,31 @@ class CheckpointCoordinator:
                 raise CheckpointConfigError(
                     f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
                 )
-            return describe_returned_files(self._storage, step_path, list(returned))
+            returned = list(returned)
+        # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
+        step_path = self._step_path(unit.step, returned)
+        if step_path is None:
+            return []
+        if returned is not None:
+            return describe_returned_files(self._storage, step_path, returned)
         return discover_files(self._storage, step_path, started_ns)
+
+    def _step_path(self, step: int, returned: list | None) -> str | None:
+        if returned and self._template.needs_epoch:
+            path = step_path_of(self._storage, returned)
+            if path is not None:
+                return path
+        name = find_step_dir(self._storage, step, self._template)
+        return None if name is None else self._storage.join(name)
+
+    def step_dir(self, global_step: int, epoch: int | None = None) -> str:
+        """The directory save functions of ``global_step`` write into (see :func:`ckptd.step_dir`).
+
+        Args:
+            global_step: The training step.
+            epoch: Required when the run's ``step_dir_template`` contains ``{epoch}``.
+        """
+        return f"{self._root_url.rstrip('/')}/{self._template.name(global_step, epoch)}"
 
     def _report_failure(self, unit: UnitId, exc: Exception) -> CheckpointSaveError:
         failure = UnitFailure(

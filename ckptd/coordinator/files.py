@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from ckptd.errors import CheckpointConfigError
-from ckptd.manifest import FileEntry, crc32_file, is_internal
-from ckptd.storage import FileStat, Storage
+from ckptd.manifest import FileEntry, WrittenFile, crc32_file, is_internal
+from ckptd.storage import Storage
 
 # File timestamps come from the kernel's coarse clock, which can lag time.time_ns() by a tick
 # (up to 10 ms): look this much further back so a unit's first file is never missed.
@@ -36,17 +37,34 @@ def discover_files(storage: Storage, step_path: str, started_ns: int) -> list[Fi
         if after != st or size != st.size:
             continue
         entries.append(FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns))
+    storage.make_durable([f"{step_path}/{e.path}" for e in entries])
     return entries
 
 
-def describe_returned_files(storage: Storage, step_path: str, paths: list) -> list[FileEntry]:
-    """Checksum the files a save_fn said it wrote. Paths may be absolute or step-relative."""
+def step_path_of(storage: Storage, returned: list) -> str | None:
+    """The step directory that absolute returned paths lie in (the first component under root)."""
+    prefix = storage.root.rstrip("/") + "/"
+    for item in returned:
+        p = item.path if isinstance(item, WrittenFile) else item
+        if isinstance(p, (str, os.PathLike)):
+            full = storage.fs._strip_protocol(os.fspath(p))
+            if full.startswith(prefix):
+                return prefix + full[len(prefix):].split("/", 1)[0]
+    return None
+
+
+def describe_returned_files(storage: Storage, step_path: str, returned: Iterable) -> list[FileEntry]:
+    """Describe the files a save_fn said it wrote: paths (absolute or step-relative) or
+    :class:`WrittenFile` records, whose checksum is trusted and whose size is checked."""
     entries = []
     prefix = step_path.rstrip("/") + "/"
-    for p in paths:
+    for item in returned:
+        written = item if isinstance(item, WrittenFile) else None
+        p = written.path if written is not None else item
         if not isinstance(p, (str, os.PathLike)):
             raise CheckpointConfigError(
-                f"save_fn returned {paths!r}; return None or a list of the file paths it wrote"
+                f"save_fn returned {item!r}; return None, or a list of the file paths it wrote "
+                "(or ckptd.WrittenFile records)"
             )
         p = os.fspath(p)
         if "://" in p or p.startswith("/"):
@@ -61,7 +79,13 @@ def describe_returned_files(storage: Storage, step_path: str, paths: list) -> li
             rel = p
         if ".." in rel.split("/"):
             raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
-        st: FileStat = storage.stat(prefix + rel)
-        size, crc = crc32_file(storage, prefix + rel)
+        st = storage.stat(prefix + rel)
+        if written is None:
+            size, crc = crc32_file(storage, prefix + rel)
+        elif written.size != st.size:
+            raise OSError(f"{rel} is {st.size} bytes on storage but its writer wrote {written.size}")
+        else:
+            size, crc = written.size, written.crc32
         entries.append(FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns))
+    storage.make_durable([prefix + e.path for e in entries])
     return entries

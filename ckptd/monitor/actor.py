@@ -20,19 +20,21 @@ import ray
 
 from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
-from ckptd.errors import CheckpointConfigError
-from ckptd.layout import MANIFESTS, TRACKERS, parse_step_dir, read_tracker, step_dir_name
+from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, read_tracker, record_template, scan_steps
 from ckptd.manifest import FileEntry, build_manifest, merge_unit_files
 from ckptd.monitor import journal
 from ckptd.monitor.ledger import StepLedger, StepRecord, StepState, UnitFailure
-from ckptd.monitor.status import MonitorStatus, StepStatus, Trackers, WriterSlotsStatus
+from ckptd.monitor.retention import PassResult, RetentionPolicy, plan_retention, run_plan
+from ckptd.monitor.status import MonitorStatus, RetentionStatus, StepStatus, Trackers, WriterSlotsStatus
 from ckptd.monitor.throttle import SlotRequest, WriterSlots
 from ckptd.storage import Storage
-from ckptd.units import UnitId, check_count, check_step
+from ckptd.units import StepDirTemplate, UnitId, check_count, check_step
 
 log = logging.getLogger("ckptd.monitor")
 
 _RETRY_BASE_S = 0.05
+_HISTORY = 1000  # deleted steps reported by status()
 
 
 def _slot_key(unit: UnitId) -> str:
@@ -51,6 +53,8 @@ class CheckpointMonitor:
         self._root_url = root
         self._run = run
         self._storage = Storage(root, storage_options)
+        self._template = StepDirTemplate(self._opts.step_dir_template)
+        record_template(self._storage, self._template)
         self._started_at = time.time()
         self._ledger = StepLedger(self._opts.step_timeout_s)
         self._slots = WriterSlots(self._opts.save_strategy)
@@ -60,11 +64,20 @@ class CheckpointMonitor:
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()
+        self._policy = RetentionPolicy.of(self._opts)
+        self._retention_running = False
+        self._retention_again = False
+        self._retention_idle = asyncio.Event()
+        self._retention_idle.set()
+        self._retention_passes = 0
+        self._retention_deleted: list[int] = []
+        self._retention_errors: list[str] = []
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
         ready = self._rebuild()
         self._spawn(self._housekeeping())
         for rec in ready:
             self._spawn(self._commit(rec))
+        self._schedule_retention()
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -75,15 +88,10 @@ class CheckpointMonitor:
         """
         now = time.time()
         newest: dict[Kind, int] = {}
-        for entry in self._storage.listdir(self._storage.root):
-            step = parse_step_dir(entry)
-            if step is None:
-                continue
-            names = set(self._storage.listdir(self._storage.join(entry)))
-            for kind in Kind:
-                if MANIFESTS[kind] in names:
-                    self._ledger.mark_committed(step, kind, now)
-                    newest[kind] = max(newest.get(kind, -1), step)
+        for step, entry in scan_steps(self._storage, self._template).items():
+            for kind in entry.kinds:
+                self._ledger.mark_committed(step, kind, now)
+                newest[kind] = max(newest.get(kind, -1), step)
         # A monitor that died between the manifest and the tracker left a committed step the
         # tracker does not point at yet: move the trackers forward to what is committed.
         newest[Kind.STATE_DICT] = max(newest.get(Kind.STATE_DICT, -1), newest.get(Kind.CHECKPOINT, -1))
@@ -136,6 +144,7 @@ class CheckpointMonitor:
             "storage_options": self._storage.storage_options,
             "run": self._run,
             "save_strategy": self._opts.save_strategy.value,
+            "step_dir_template": self._template.template,
             "slot_lease_s": self._opts.slot_lease_s,
             "options": self._opts.model_dump(mode="json"),
         }
@@ -235,6 +244,9 @@ class CheckpointMonitor:
             steps=[StepStatus.of(r) for r in self._ledger.records()],
             writers=WriterSlotsStatus(strategy=self._opts.save_strategy,
                                       holders=self._slots.holders(), waiting=self._slots.waiting()),
+            retention=RetentionStatus(passes=self._retention_passes,
+                                      deleted_steps=list(self._retention_deleted[-_HISTORY:]),
+                                      errors=list(self._retention_errors)),
             started_at=self._started_at,
         )
 
@@ -312,6 +324,7 @@ class CheckpointMonitor:
         # Best-effort clean-up: leftovers of a committed step are ignored by every reader and
         # removed again at the next start-up, so a failure here is only logged.
         self._io.submit(self._cleanup, rec.step, rec.kind)
+        self._schedule_retention()
 
     async def _retrying(self, fn, *args) -> Any:
         for attempt in range(self._opts.commit_retries + 1):
@@ -325,7 +338,13 @@ class CheckpointMonitor:
 
     def _write_manifest(self, step: int, kind: Kind, finished: dict[str, list[FileEntry]]) -> None:
         failpoints.hit("before_manifest")
-        step_path = self._storage.join(step_dir_name(step))
+        name = find_step_dir(self._storage, step, self._template)
+        if name is None:
+            raise CheckpointError(
+                f"no directory of step {step} matches {self._template.template!r}: its save units "
+                "wrote no files, and the directory name needs the epoch"
+            )
+        step_path = self._storage.join(name)
         files = merge_unit_files(self._storage, step_path, finished)
         manifest = build_manifest(step, kind, list(finished), files)
         self._storage.makedirs(step_path)
@@ -360,6 +379,58 @@ class CheckpointMonitor:
             # The step is failed in memory and uncommitted in storage either way; without this
             # record a restarted monitor would only time the step out again.
             log.error("could not record the failure of step %d (%s): %s", rec.step, rec.kind.value, e)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    async def wait_retention(self, timeout_s: float | None = None) -> bool:
+        """Wait until no retention pass is running or due; False if ``timeout_s`` ran out first."""
+        try:
+            await asyncio.wait_for(self._retention_idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _schedule_retention(self) -> None:
+        if self._retention_running:
+            self._retention_again = True  # one more pass after this one sees the new commit
+            return
+        self._retention_running = True
+        self._retention_idle.clear()
+        self._spawn(self._retention_loop())
+
+    async def _retention_loop(self) -> None:
+        try:
+            while True:
+                self._retention_again = False
+                # What is protected is read here, on the event loop, before the scan: a step
+                # that starts saving after this is newer than the newest commit, or still being
+                # written (so not idle), and is left alone either way.
+                in_flight = self._ledger.in_flight_steps()
+                protected = in_flight | {s for s in self._trackers.values() if s is not None}
+                failed = self._ledger.failed_steps() - in_flight
+                try:
+                    result = await self._in_thread(self._retention_pass, protected, failed)
+                    self._retention_deleted += result.deleted
+                    self._retention_errors = result.errors
+                except Exception as e:  # best-effort: the next commit runs another pass
+                    log.warning("retention pass failed: %s: %s", type(e).__name__, e)
+                    self._retention_errors = [f"{type(e).__name__}: {e}"]
+                self._retention_passes += 1
+                if not self._retention_again:
+                    break
+        finally:
+            self._retention_running = False
+            self._retention_idle.set()
+
+    def _retention_pass(self, protected: set[int], failed: set[int]) -> PassResult:
+        entries = scan_steps(self._storage, self._template)
+        plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
+        result = run_plan(self._storage, plan, self._opts.leftover_grace_s)
+        for entry in plan.leftovers_failed:
+            if entry.step in result.deleted:
+                for kind in Kind:
+                    self._cleanup(entry.step, kind)
+        return result
 
     # -- writer slots --------------------------------------------------------------------------
 

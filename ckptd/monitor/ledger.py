@@ -105,6 +105,15 @@ class StepLedger:
             return rec.failure_summary() if rec.state is StepState.FAILED else None
         return self._retired_failed.get((step, kind))
 
+    def in_flight_steps(self) -> set[int]:
+        """Steps with a kind still pending or committing."""
+        return {r.step for r in self._records.values() if r.state in (StepState.PENDING, StepState.COMMITTING)}
+
+    def failed_steps(self) -> set[int]:
+        """Steps with a kind that failed (including those dropped from the detailed records)."""
+        failed = {r.step for r in self._records.values() if r.state is StepState.FAILED}
+        return failed | {step for step, _ in self._retired_failed}
+
     def _record(self, step: int, kind: Kind, now: float) -> StepRecord:
         rec = self._records.get((step, kind))
         if rec is None:

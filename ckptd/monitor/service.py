@@ -8,9 +8,10 @@ import ray
 
 from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.layout import record_template
 from ckptd.monitor.actor import monitor_actor_class
 from ckptd.storage import Storage
-from ckptd.units import check_name
+from ckptd.units import StepDirTemplate, check_name
 
 
 def actor_name(run: str) -> str:
@@ -54,6 +55,7 @@ def start_monitor(
     opts = MonitorOptions.parse(options)
     storage = Storage(root, storage_options)
     storage.check_writable()
+    record_template(storage, StepDirTemplate(opts.step_dir_template))
     root_url = root if "://" in root else storage.root
     actor_options: dict[str, Any] = {
         "name": actor_name(run),

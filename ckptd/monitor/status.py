@@ -51,6 +51,16 @@ class WriterSlotsStatus(BaseModel):
     waiting: list[str]
 
 
+class RetentionStatus(BaseModel):
+    """What retention has done since the monitor started."""
+
+    model_config = ConfigDict(frozen=True)
+
+    passes: int
+    deleted_steps: list[int]
+    errors: list[str]
+
+
 class MonitorStatus(BaseModel):
     """The monitor's view of the run. Storage credentials are never included."""
 
@@ -61,6 +71,7 @@ class MonitorStatus(BaseModel):
     trackers: Trackers
     steps: list[StepStatus]
     writers: WriterSlotsStatus
+    retention: RetentionStatus
     started_at: float
 
     def step(self, step: int, kind: str | Kind = Kind.CHECKPOINT) -> StepStatus | None:

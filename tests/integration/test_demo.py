@@ -13,15 +13,16 @@ def test_demo_runs_and_leaves_a_readable_checkpoint(tmp_path):
     root = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptd", "demo", "--root", str(root), "--steps", "7", "--ckpt-every", "3"],
+        [sys.executable, "-m", "ckptd", "demo", "--root", str(root), "--steps", "9", "--ckpt-every", "3"],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "committed full checkpoints: 2" in proc.stdout
     assert "training blocked per save" in proc.stdout
-    assert ckptd.latest_step(str(root)) == 6
-    assert ckptd.latest_step(str(root), "state_dict") == 7
-    assert sorted(os.listdir(root / "global_step_6")) == [
-        "ckptd_manifest.json", "ckptd_state_dict_manifest.json",
-        "model_rank0.safetensors", "model_rank1.safetensors", "optim_rank0.pt", "optim_rank1.pt",
-    ]
+    assert "weights equal rank 0's: yes" in proc.stdout
+    assert ckptd.latest_step(str(root)) == 9
+    # Retention kept the 2 newest full checkpoints (6, 9) and 2 newest state dicts (8, 9).
+    assert sorted(p for p in os.listdir(root) if p.startswith("global_step_")) == [
+        "global_step_6", "global_step_8", "global_step_9"]
+    assert sorted(os.listdir(root / "global_step_9" / "model")) == [
+        "shard-00000.safetensors", "shard-00001.safetensors", "sharded_metadata.json"]
+    assert ckptd.verify(str(root)).step == 9

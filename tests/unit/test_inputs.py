@@ -139,6 +139,6 @@ def test_latest_step_requires_a_manifest(tmp_path):
 
 
 def test_step_dir_sorts_numerically_and_validates(tmp_path):
-    assert step_dir("s3://b/run/", 10) == "s3://b/run/global_step_10"
+    assert step_dir("memory://b/run/", 10) == "memory://b/run/global_step_10"
     with pytest.raises(CheckpointConfigError):
         step_dir("/x", -1)

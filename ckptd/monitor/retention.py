@@ -1,0 +1,132 @@
+"""Retention: which step directories to delete after a commit. Plain Python; the I/O is separate.
+
+Everything is decided from what storage holds now (a scan of the root) plus what the monitor
+knows is in flight, so retention works the same after a restart: there are no in-memory lists
+of saved steps to lose.
+
+Rules:
+* Only committed steps older than the newest commit are deleted; the tracker targets and steps
+  still being saved (protected) never are.
+* A committed step is kept if it is one of the newest ``max_ckpt_to_keep`` full checkpoints, one
+  of the newest ``max_state_dict_to_keep`` committed steps (a full checkpoint counts as a state
+  dict: readers of the latest weights may be loading it), or a multiple of ``keep_every_n_steps``.
+* A directory with no manifest that is older than the newest commit and not in flight is a
+  leftover of a failed or crashed save: deleted at once if the monitor knows the step failed,
+  else once nothing in it has changed for a grace period (a save the monitor has not heard of,
+  after a restart, may still be writing it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ckptd import failpoints
+from ckptd.config import Kind, MonitorOptions
+from ckptd.layout import MANIFESTS, StepEntry
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.retention")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    max_ckpt_to_keep: int | None = None
+    max_state_dict_to_keep: int | None = 2
+    keep_every_n_steps: int | None = None
+
+    @classmethod
+    def of(cls, opts: MonitorOptions) -> RetentionPolicy:
+        return cls(opts.max_ckpt_to_keep, opts.max_state_dict_to_keep, opts.keep_every_n_steps)
+
+
+@dataclass
+class RetentionPlan:
+    delete: list[StepEntry] = field(default_factory=list)  # committed, past the policy
+    leftovers_failed: list[StepEntry] = field(default_factory=list)  # uncommitted, step failed
+    leftovers_idle: list[StepEntry] = field(default_factory=list)  # uncommitted, delete if unchanged
+
+
+def _newest(steps: list[int], n: int | None) -> set[int]:
+    return set(steps) if n is None else set(steps[-n:])
+
+
+def plan_retention(
+    entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int]
+) -> RetentionPlan:
+    """Decide what to delete.
+
+    Args:
+        entries: The step directories under the root (:func:`ckptd.layout.scan_steps`).
+        policy: The limits.
+        protected: Steps never to delete: tracker targets and steps in flight.
+        failed: Steps the monitor knows failed (and are not in flight for another kind).
+    """
+    plan = RetentionPlan()
+    committed = sorted(s for s, e in entries.items() if e.committed)
+    if not committed:
+        return plan
+    newest = committed[-1]
+    checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds]
+    keep = set(protected) | _newest(checkpoints, policy.max_ckpt_to_keep)
+    keep |= _newest(committed, policy.max_state_dict_to_keep)
+    if policy.keep_every_n_steps:
+        keep |= {s for s in committed if s % policy.keep_every_n_steps == 0}
+    for step in sorted(entries):
+        if step >= newest or step in keep:
+            continue
+        entry = entries[step]
+        if entry.committed:
+            plan.delete.append(entry)
+        elif step in failed:
+            plan.leftovers_failed.append(entry)
+        else:
+            plan.leftovers_idle.append(entry)
+    return plan
+
+
+def delete_step(storage: Storage, entry: StepEntry) -> None:
+    """Delete a step directory, manifests first, so a half-deleted step reads as uncommitted."""
+    failpoints.hit("before_step_delete")
+    path = storage.join(entry.name)
+    for kind in (Kind.CHECKPOINT, Kind.STATE_DICT):
+        if kind in entry.kinds:
+            storage.rm(f"{path}/{MANIFESTS[kind]}")
+    storage.rm(path)
+
+
+def is_idle(storage: Storage, entry: StepEntry, grace_s: float, now: float | None = None) -> bool:
+    """Nothing in the directory changed for ``grace_s`` seconds."""
+    now = time.time() if now is None else now
+    stats = storage.walk_files(storage.join(entry.name))
+    newest = max((st.mtime_ns or 0 for st in stats.values()), default=0) / 1e9
+    return now - newest >= grace_s
+
+
+@dataclass
+class PassResult:
+    deleted: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float) -> PassResult:
+    """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
+    the step again in storage); it never stops the deletions after it."""
+    result = PassResult()
+    todo = plan.delete + plan.leftovers_failed
+    for entry in plan.leftovers_idle:
+        try:
+            if is_idle(storage, entry, grace_s):
+                todo.append(entry)
+        except OSError as e:
+            log.warning("could not inspect leftover %s: %s", entry.name, e)
+    for entry in sorted(todo, key=lambda e: e.step):
+        try:
+            delete_step(storage, entry)
+            result.deleted.append(entry.step)
+        except Exception as e:  # best-effort clean-up: retried on the next pass
+            msg = f"could not delete {entry.name}: {type(e).__name__}: {e}"
+            log.warning("%s; retrying after the next commit", msg)
+            result.errors.append(msg)
+    return result

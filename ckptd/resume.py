@@ -1,0 +1,202 @@
+"""Resume training from the newest committed full checkpoint, in one call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ckptd.config import Kind
+from ckptd.errors import CheckpointConfigError
+from ckptd.storage import Storage
+from ckptd.units import check_step
+from ckptd.verify import CommittedStep, open_step, read_file
+from ckptd.workers import hf, lora, sharded
+from ckptd.workers.files import load_json, load_torch
+from ckptd.workers.safetensors_io import read_safetensors
+from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, rank_file, set_rng_state
+
+log = logging.getLogger("ckptd.resume")
+
+
+class ResumeState(BaseModel):
+    """Where to continue training after :func:`resume`.
+
+    Attributes:
+        step: The checkpoint's step: global steps already trained.
+        epoch: The epoch to continue in. After a checkpoint taken at the end of an epoch this is
+            the next epoch, so no empty epoch is replayed.
+        step_in_epoch: Steps of ``epoch`` already trained (skip that many batches).
+        sample_start_index: Samples of ``epoch`` already consumed per rank (for samplers that
+            take a start index).
+        consumed_samples: Samples consumed by all ranks since the start of training.
+        path: The step directory that was loaded.
+        running: ``running_states.json`` as saved, or None if the checkpoint has none (then
+            ``epoch``, ``step_in_epoch`` and ``sample_start_index`` are None too).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    epoch: int | None
+    step_in_epoch: int | None
+    sample_start_index: int | None
+    consumed_samples: int | None
+    path: str
+    running: RunningState | None
+
+
+def resume(
+    root: str,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    dataloader: Any = None,
+    rank: int = 0,
+    world_size: int | None = None,
+    step: int | None = None,
+    model_dir: str = "",
+    state_dir: str = "",
+    restore_rng: bool = True,
+    adapter_name: str = "default",
+    storage_options: dict | None = None,
+) -> ResumeState | None:
+    """Restore everything given from the newest committed full checkpoint under ``root``.
+
+    Only committed steps are considered (a manifest exists), and every file read is checked
+    against the manifest before it is used. Everything is read and checked first; objects are
+    changed only once all of it loaded, so a failed resume leaves them as they were.
+
+    Args:
+        root: The checkpoint root.
+        model: An ``nn.Module``; its weights come from the HuggingFace, sharded or LoRA-adapter
+            files in ``model_dir`` (for an adapter, pass the ``PeftModel``).
+        optimizer, lr_scheduler, dataloader: Objects with ``load_state_dict``; each gets the
+            state saved by :func:`ckptd.workers.save_training_state` (this rank's, for the first
+            two; ``data.pt`` for the dataloader).
+        rank: This rank.
+        world_size: This run's number of ranks, if known; per-rank optimizer and scheduler
+            state cannot move to another world size, and asking for it is an error.
+        step: Resume this committed step instead of the newest.
+        model_dir, state_dir: Where in the step directory the model and the training state
+            were written ('' for the step directory itself).
+        restore_rng: Restore python, numpy, torch (and CUDA) random generators of this rank.
+        adapter_name: The adapter to load a LoRA checkpoint into.
+        storage_options: fsspec options for ``root``.
+
+    Returns:
+        Where to continue, or None if ``root`` has no committed full checkpoint (a fresh start).
+
+    Raises:
+        CorruptCheckpointError: a file differs from its manifest, or is missing.
+        UnsafeCheckpointError: a file needs arbitrary objects unpickled.
+        CheckpointConfigError: the checkpoint lacks what was asked for, the model's keys do not
+            match, or the world size changed under per-rank state.
+        CheckpointError: ``step`` is not committed.
+    """
+    check_step(rank, "rank")
+    if step is not None:
+        check_step(step, "step")
+    storage = Storage(root, storage_options)
+    committed = open_step(storage, step, Kind.CHECKPOINT)
+    if committed is None:
+        log.info("no committed checkpoint under %s: starting fresh", storage.url)
+        return None
+    prefix = state_dir.strip("/") + "/" if state_dir.strip("/") else ""
+    running = None
+    if f"{prefix}{RUNNING_STATES}" in committed.files:
+        path = f"{committed.path}/{prefix}{RUNNING_STATES}"
+        running = RunningState.model_validate(load_json(read_file(storage, committed, prefix + RUNNING_STATES), path))
+
+    # Read and check everything first; change nothing until all of it loaded.
+    apply = []
+    if model is not None:
+        apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
+    for obj, part in ((optimizer, "optimizer"), (lr_scheduler, "lr_scheduler")):
+        if obj is not None:
+            if running is not None and world_size is not None and running.world_size != world_size:
+                raise CheckpointConfigError(
+                    f"step {committed.step} holds {part} state of {running.world_size} ranks, one per rank, "
+                    f"and this run has {world_size}; it cannot be re-sharded. Resume with the same world "
+                    f"size, or leave {part}=None and start it fresh"
+                )
+            state = _load(storage, committed, prefix + rank_file(part, rank), part)
+            apply.append(lambda obj=obj, state=state: obj.load_state_dict(state))
+    if dataloader is not None:
+        state = _load(storage, committed, prefix + DATA, "dataloader")
+        apply.append(lambda: dataloader.load_state_dict(state))
+    if restore_rng:
+        rel = prefix + rank_file("rng", rank)
+        if rel in committed.files:
+            rng = load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
+            apply.append(lambda: set_rng_state(rng))
+        else:
+            log.warning("step %d has no RNG state for rank %d; random generators are not restored",
+                        committed.step, rank)
+    for fn in apply:
+        fn()
+
+    url = f"{storage.url.rstrip('/')}/{committed.path[len(storage.root):].lstrip('/')}"
+    log.info("resumed from step %d (%s)", committed.step, url)
+    if running is None:
+        return ResumeState(step=committed.step, epoch=None, step_in_epoch=None, sample_start_index=None,
+                           consumed_samples=None, path=url, running=None)
+    if running.epoch_finished:
+        epoch, in_epoch, start = running.epoch + 1, 0, 0
+    else:
+        epoch, in_epoch, start = running.epoch, running.step_in_epoch, running.sample_start_index
+    return ResumeState(step=committed.step, epoch=epoch, step_in_epoch=in_epoch, sample_start_index=start,
+                       consumed_samples=running.consumed_samples, path=url, running=running)
+
+
+def _load(storage: Storage, committed: CommittedStep, rel: str, what: str) -> Any:
+    if rel not in committed.files:
+        raise CheckpointConfigError(
+            f"step {committed.step} has no {what} state ({rel} is not in its manifest); it has "
+            f"{_summary(committed)}. Pass state_dir= if it was written elsewhere, or leave {what}=None"
+        )
+    return load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
+
+
+def _summary(committed: CommittedStep) -> str:
+    names = sorted(committed.files)
+    return ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+
+
+def _model_loader(storage: Storage, committed: CommittedStep, model: Any, model_dir: str, adapter_name: str):
+    rel = model_dir.strip("/") + "/" if model_dir.strip("/") else ""
+    names = {p[len(rel):] for p in committed.files if p.startswith(rel) and "/" not in p[len(rel):]}
+    base = f"{committed.path}/{rel}".rstrip("/")
+    manifest = committed.files
+    if lora.ADAPTER_WEIGHTS in names:
+        tensors, _ = read_safetensors(storage, f"{base}/{lora.ADAPTER_WEIGHTS}", manifest[rel + lora.ADAPTER_WEIGHTS])
+        if not hasattr(model, "peft_config"):
+            raise CheckpointConfigError(
+                f"step {committed.step} holds a LoRA adapter; pass the PeftModel (base model with the adapter) as model"
+            )
+        from peft import set_peft_model_state_dict  # optional dependency, only for adapters
+
+        def load_adapter() -> None:
+            result = set_peft_model_state_dict(model, tensors, adapter_name=adapter_name)
+            if result.unexpected_keys:
+                raise CheckpointConfigError(f"adapter weights the model has no place for: {result.unexpected_keys[:5]}")
+        return load_adapter
+    if sharded.is_sharded_dir(names):
+        state = sharded.load_sharded(storage, base, manifest, rel)
+    elif hf.is_hf_dir(names):
+        state = hf.load_hf_weights(storage, base, manifest, rel)
+    else:
+        raise CheckpointConfigError(
+            f"step {committed.step} has no model weights in {base or committed.path} (no model.safetensors, "
+            f"index, sharded or adapter files); it has {_summary(committed)}. Pass model_dir= if they are elsewhere"
+        )
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointConfigError(
+            f"the weights of step {committed.step} do not fit the model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    return lambda: model.load_state_dict(state, strict=True)

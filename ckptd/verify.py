@@ -1,0 +1,107 @@
+"""Reading a committed step back: its manifests, and a full check of every file against them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptd.config import Kind
+from ckptd.errors import CheckpointError, CorruptCheckpointError
+from ckptd.layout import MANIFESTS, find_step_dir, latest_step, parse_kind
+from ckptd.manifest import FileEntry, Manifest, crc32_file
+from ckptd.storage import Storage
+from ckptd.workers.files import load_json, mismatch, read_verified
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A committed step: where it is, and every file its manifests list (step-relative paths).
+
+    A step saved by a pipeline can have both manifests, the weights under the state-dict one
+    and the rest under the checkpoint one; readers see the union.
+    """
+
+    step: int
+    path: str
+    kinds: frozenset[Kind]
+    files: dict[str, FileEntry]
+
+
+def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep | None:
+    """The committed step ``step`` (newest of ``kind`` if None), or None if nothing is committed.
+
+    Raises:
+        CheckpointError: ``step`` was given and is not committed as ``kind``.
+    """
+    if step is None:
+        step = latest_step(storage.url, kind.value, storage.storage_options)
+        if step is None:
+            return None
+    name = find_step_dir(storage, step)
+    path = storage.join(name) if name else None
+    manifests: dict[Kind, Manifest] = {}
+    for k in Kind:
+        if path is None:
+            break
+        mpath = f"{path}/{MANIFESTS[k]}"
+        text = storage.read_text_or_none(mpath)
+        if text is not None:
+            manifests[k] = Manifest.model_validate(load_json(text.encode(), mpath))
+    if path is None or not (Kind.CHECKPOINT in manifests or (kind is Kind.STATE_DICT and manifests)):
+        raise CheckpointError(f"step {step} is not committed as a {kind.value} under {storage.url}")
+    files: dict[str, FileEntry] = {}
+    for m in manifests.values():
+        files.update({f.path: f for f in m.files})
+    return CommittedStep(step, path, frozenset(manifests), files)
+
+
+def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
+           storage_options: dict | None = None) -> CommittedStep:
+    """Check every file of a committed step against its manifest: present, same size, same CRC-32.
+
+    Args:
+        root: The checkpoint root.
+        step: The step to check; None for the newest committed step of ``kind``.
+        kind: ``"checkpoint"`` or ``"state_dict"``.
+        storage_options: fsspec options for ``root``.
+
+    Returns:
+        The step that was checked.
+
+    Raises:
+        CorruptCheckpointError: some file is missing, truncated or changed; the message names
+            each such file.
+        CheckpointError: nothing is committed, or ``step`` is not committed.
+    """
+    storage = Storage(root, storage_options)
+    committed = open_step(storage, step, parse_kind(kind))
+    if committed is None:
+        raise CheckpointError(f"no committed {kind} under {storage.url}")
+    problems = []
+    for rel, entry in sorted(committed.files.items()):
+        path = f"{committed.path}/{rel}"
+        try:
+            size, crc = crc32_file(storage, path)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        problem = mismatch(entry, size, crc)
+        if problem:
+            problems.append(f"{path}: {problem}")
+    if problems:
+        raise CorruptCheckpointError(
+            f"step {committed.step} under {storage.url} does not match its manifest: " + "; ".join(problems)
+        )
+    return committed
+
+
+def read_file(storage: Storage, committed: CommittedStep, rel: str) -> bytes:
+    """A file of a committed step, checked against its manifest entry.
+
+    Raises:
+        CorruptCheckpointError: the manifest does not list the file, or it does not match.
+    """
+    entry = committed.files.get(rel)
+    path = f"{committed.path}/{rel}"
+    if entry is None:
+        raise CorruptCheckpointError(f"{path} is not listed in the manifest of step {committed.step}")
+    return read_verified(storage, path, entry)

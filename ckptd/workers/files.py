@@ -1,0 +1,130 @@
+"""Writing and reading the files of a checkpoint through :class:`~ckptd.storage.Storage`.
+
+Writers stream into the destination and checksum what they write as they write it, so the
+coordinator never reads a file back, and return :class:`~ckptd.manifest.WrittenFile` records.
+Readers check each file against its manifest entry before they deserialise it, and load
+pickles with ``torch.load(weights_only=True)`` only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zlib
+from collections.abc import Callable
+from enum import Enum
+from typing import IO, Any
+
+import torch
+
+from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptd.manifest import FileEntry, WrittenFile
+from ckptd.storage import Storage
+
+_CHUNK = 64 << 20
+
+
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream that passes bytes through to ``f`` and keeps their CRC-32 and count."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        for start in range(0, len(view), _CHUNK):  # large writes, checksummed slice by slice
+            part = view[start : start + _CHUNK]
+            self.crc = zlib.crc32(part, self.crc)
+            self._f.write(part)
+        self.size += len(view)
+        return len(view)
+
+    def record(self, path: str) -> WrittenFile:
+        return WrittenFile(path=path, size=self.size, crc32=f"{self.crc:08x}")
+
+
+def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter], None]) -> WrittenFile:
+    """Open ``path`` for writing, let ``fill`` write into it, and return what was written."""
+    with storage.open(path, "wb") as f:
+        w = ChecksumWriter(f)
+        fill(w)
+    return w.record(path)
+
+
+def write_bytes(storage: Storage, path: str, data: bytes) -> WrittenFile:
+    return write_stream(storage, path, lambda w: w.write(data))
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def write_json(storage: Storage, path: str, obj: Any) -> WrittenFile:
+    return write_bytes(storage, path, (json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n").encode())
+
+
+def write_torch(storage: Storage, path: str, obj: Any) -> WrittenFile:
+    """``torch.save`` streamed into storage (no in-memory copy of the serialised bytes)."""
+    return write_stream(storage, path, lambda w: torch.save(obj, w))
+
+
+def read_verified(storage: Storage, path: str, entry: FileEntry | None) -> bytes:
+    """Read a whole file; if ``entry`` is given, check its size and CRC-32 against it.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, or differs from its manifest entry.
+    """
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing") from None
+    if entry is not None:
+        problem = mismatch(entry, len(data), f"{zlib.crc32(data):08x}")
+        if problem:
+            raise CorruptCheckpointError(f"{path}: {problem}")
+    return data
+
+
+def mismatch(entry: FileEntry, size: int, crc32: str) -> str | None:
+    """What is wrong with a file of ``size`` bytes and checksum ``crc32``, or None."""
+    if size != entry.size:
+        how = "truncated" if size < entry.size else "longer than written"
+        return f"{how}: {size} bytes, the manifest says {entry.size}"
+    if crc32 != entry.crc32:
+        return f"checksum mismatch: CRC-32 {crc32}, the manifest says {entry.crc32}"
+    return None
+
+
+def load_torch(data: bytes, path: str) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary objects.
+
+    Raises:
+        UnsafeCheckpointError: the pickle needs more than tensors and plain containers.
+    """
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path} needs arbitrary Python objects to load, and ckptd only loads tensors and plain "
+            f"containers (torch.load(weights_only=True)). Save state_dict() values, not objects. "
+            f"Detail: {str(e).splitlines()[0]}"
+        ) from e
+
+
+def load_json(data: bytes, path: str) -> Any:
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from e

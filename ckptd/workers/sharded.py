@@ -1,0 +1,173 @@
+"""Sharded (FSDP-style) model state: each rank writes its own shard, rank 0 the shared metadata.
+
+    dir/
+      sharded_metadata.json          rank 0: {"format": "ckptd-sharded", "version": 1, "world_size": N}
+      shard-00000.safetensors        rank 0's pieces; each tensor's offsets and global shape are
+      shard-00001.safetensors        in the file's own metadata, so ...
+      ...
+
+... a reader needs nothing but the directory: it learns the world size from the metadata and
+assembles every tensor from the pieces. The world size is not part of any file name, so a run
+can resume on any number of ranks (:func:`load_sharded` then :func:`shard_dim0`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
+from ckptd.manifest import FileEntry, WrittenFile
+from ckptd.storage import Storage
+from ckptd.units import check_step
+from ckptd.workers.files import load_json, read_verified, write_json
+from ckptd.workers.hf import save_hf_model
+from ckptd.workers.safetensors_io import check_tensors, read_safetensors, write_safetensors
+
+METADATA = "sharded_metadata.json"
+FORMAT = "ckptd-sharded"
+_PIECES_KEY = "ckptd_pieces"
+
+
+def shard_name(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's piece of a tensor: a block starting at ``offsets`` of a ``global_shape`` tensor."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+def shard_dim0(state_dict: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, Shard]:
+    """Rank ``rank``'s FSDP-style piece of every tensor: a slice along dim 0, as ``torch.chunk``
+    would cut it (the last ranks may get smaller or empty pieces). 0-d tensors go to rank 0."""
+    _check_rank(rank, world_size)
+    out = {}
+    for key, t in state_dict.items():
+        if t.dim() == 0:
+            if rank == 0:
+                out[key] = Shard(t, (), ())
+            continue
+        per = -(-t.shape[0] // world_size)
+        start = min(rank * per, t.shape[0])
+        stop = min(start + per, t.shape[0])
+        out[key] = Shard(t[start:stop], (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
+    return out
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    check_step(rank, "rank")
+    if check_step(world_size, "world_size") < 1 or rank >= world_size:
+        raise CheckpointConfigError(f"rank must be in [0, world_size), got rank {rank} of world_size {world_size}")
+
+
+def save_sharded(
+    out_dir: str,
+    shards: Mapping[str, Shard | torch.Tensor],
+    *,
+    rank: int,
+    world_size: int,
+    storage_options: dict | None = None,
+) -> list[WrittenFile]:
+    """Write this rank's shard of the model state (and, on rank 0, the shared metadata).
+
+    Args:
+        out_dir: Destination directory, the same on every rank.
+        shards: Name -> :class:`Shard` (this rank's piece) or plain tensor (replicated on every
+            rank; written by rank 0 only). Snapshot the tensors first.
+        rank, world_size: This rank, and how many ranks write.
+        storage_options: fsspec options for ``out_dir``.
+
+    Raises:
+        CheckpointConfigError: bad rank, a piece that does not fit its global shape; nothing
+            was written.
+    """
+    _check_rank(rank, world_size)
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict] = {}
+    for key, value in shards.items():
+        if isinstance(value, torch.Tensor):
+            if rank != 0:
+                continue
+            value = Shard(value, (0,) * value.dim(), tuple(value.shape))
+        if not isinstance(value, Shard):
+            raise CheckpointConfigError(f"shards[{key!r}] must be a Shard or a tensor, got {type(value).__name__}")
+        t = value.tensor
+        if len(value.offsets) != t.dim() or len(value.global_shape) != t.dim() or any(
+            o < 0 or o + n > g for o, n, g in zip(value.offsets, t.shape, value.global_shape, strict=True)
+        ):
+            raise CheckpointConfigError(
+                f"shards[{key!r}]: a piece of shape {tuple(t.shape)} at offsets {value.offsets} does not fit "
+                f"a tensor of shape {value.global_shape}"
+            )
+        tensors[key] = t
+        pieces[key] = {"offsets": list(value.offsets), "global_shape": list(value.global_shape)}
+    check_tensors(tensors, "shards")
+    storage = Storage(out_dir, storage_options)
+    storage.makedirs(storage.root)
+    meta = {"format": "pt", _PIECES_KEY: json.dumps(pieces, separators=(",", ":"))}
+    written = [write_safetensors(storage, f"{storage.root}/{shard_name(rank)}", tensors, meta)]
+    if rank == 0:
+        written.append(write_json(storage, f"{storage.root}/{METADATA}",
+                                  {"format": FORMAT, "version": 1, "world_size": world_size}))
+    return written
+
+
+def is_sharded_dir(names: set[str]) -> bool:
+    return METADATA in names
+
+
+def load_sharded(storage: Storage, base: str, manifest: Mapping[str, FileEntry] | None = None,
+                 rel: str = "") -> dict[str, torch.Tensor]:
+    """The full tensors of a sharded directory, assembled from every rank's pieces.
+
+    Raises:
+        CorruptCheckpointError: a shard is missing or damaged, or the pieces do not cover a
+            tensor exactly.
+    """
+    def entry(name: str) -> FileEntry | None:
+        return None if manifest is None else manifest.get(f"{rel}{name}")
+
+    meta_path = f"{base}/{METADATA}"
+    meta = load_json(read_verified(storage, meta_path, entry(METADATA)), meta_path)
+    if meta.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{meta_path}: not a ckptd sharded directory")
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for rank in range(int(meta["world_size"])):
+        path = f"{base}/{shard_name(rank)}"
+        tensors, st_meta = read_safetensors(storage, path, entry(shard_name(rank)))
+        pieces = json.loads(st_meta.get(_PIECES_KEY, "{}"))
+        for key, t in tensors.items():
+            info = pieces[key]
+            shape = tuple(info["global_shape"])
+            if key not in full:
+                full[key] = torch.empty(shape, dtype=t.dtype)
+                covered[key] = 0
+            index = tuple(slice(o, o + n) for o, n in zip(info["offsets"], t.shape, strict=True))
+            full[key][index] = t
+            covered[key] += t.numel()
+    short = [k for k, t in full.items() if covered[k] != t.numel()]
+    if short:
+        raise CorruptCheckpointError(f"{base}: the shards do not cover tensors {short[:5]} exactly")
+    return full
+
+
+def export_hf(
+    sharded_dir: str, out_dir: str, config, *, storage_options: dict | None = None, **hf_options
+) -> list[WrittenFile]:
+    """Write a consolidated HuggingFace copy of a sharded directory (one process does it).
+
+    ``hf_options`` go to :func:`ckptd.workers.save_hf_model` (generation_config, tokenizer,
+    max_shard_size, prefix).
+    """
+    storage = Storage(sharded_dir, storage_options)
+    state = load_sharded(storage, storage.root)
+    return save_hf_model(out_dir, state, config, storage_options=storage_options, **hf_options)

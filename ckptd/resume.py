@@ -15,7 +15,7 @@ from ckptd.verify import CommittedStep, open_step, read_file
 from ckptd.workers import hf, lora, sharded
 from ckptd.workers.files import load_json, load_torch
 from ckptd.workers.safetensors_io import read_safetensors
-from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, rank_file, set_rng_state
+from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
 
 log = logging.getLogger("ckptd.resume")
 
@@ -125,8 +125,10 @@ def resume(
             state = _load(storage, committed, prefix + rank_file(part, rank), part)
             apply.append(lambda obj=obj, state=state: obj.load_state_dict(state))
     if dataloader is not None:
-        state = _load(storage, committed, prefix + DATA, "dataloader")
-        apply.append(lambda: dataloader.load_state_dict(state))
+        data = _load(storage, committed, prefix + DATA, "dataloader")
+        if running is not None and running.epoch_finished:
+            data = end_epoch(data)  # also for checkpoints written without it
+        apply.append(lambda: dataloader.load_state_dict(data))
     if restore_rng:
         rel = prefix + rank_file("rng", rank)
         if rel in committed.files:

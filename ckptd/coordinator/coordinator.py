@@ -287,6 +287,8 @@ class CheckpointCoordinator:
         Raises:
             CheckpointSaveError: the step failed.
             TimeoutError: it was neither committed nor failed within ``timeout_s``.
+            CheckpointError: the monitor knows nothing of the step and it is older than the
+                newest commit (deleted by retention before the monitor restarted, or never saved).
         """
         kind = Kind.from_flag(is_state_dict)
         result = self._call("wait_committed", check_step(global_step), kind.value, timeout_s)
@@ -294,6 +296,8 @@ class CheckpointCoordinator:
             return
         if result["cause"] is None:
             raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s")
+        if result.get("unknown"):
+            raise CheckpointError(result["cause"])
         raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])
 
     @staticmethod

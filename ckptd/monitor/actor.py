@@ -254,9 +254,18 @@ class CheckpointMonitor:
         """Wait until (step, kind) is committed or failed.
 
         Returns ``{"committed": bool, "unit": str | None, "cause": str | None}``; ``committed``
-        is False with ``cause`` None when the wait timed out.
+        is False with ``cause`` None when the wait timed out, and with ``"unknown": True`` when
+        the step is older than the newest commit and nothing of it is known (retention deleted
+        it before this monitor started, or it was never saved).
         """
         k = Kind(kind)
+        newest = self._trackers[k]
+        if self._ledger.get(step, k) is None and not self._settled(step, k) and newest is not None and step < newest:
+            # Nothing in flight, and older than what is committed: it was deleted by retention
+            # before this monitor started, or never saved. Waiting would only time out.
+            return {"committed": False, "unit": None, "unknown": True,
+                    "cause": f"step {step} is unknown to the monitor: no save of it is in flight and it is older "
+                             f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
         event = self._event(step, k)
         if not self._settled(step, k):
             try:

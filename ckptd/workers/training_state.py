@@ -115,6 +115,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def end_epoch(dataloader_state: dict) -> dict:
+    """The dataloader state of a checkpoint taken after the last batch of an epoch, marked so that
+    the next ``iter()`` starts a new epoch.
+
+    StatefulDataLoader's state taken inside the loop, after the last batch but before the loop
+    saw StopIteration, restores an exhausted iterator: the first epoch after resuming would be
+    silently empty. Its own flag for an epoch that has ended fixes that and keeps the rest of the
+    state (sampler, dataset, generator). Other loaders' states pass through unchanged.
+    """
+    if "_iterator_finished" in dataloader_state:
+        return {**dataloader_state, "_iterator_finished": True}
+    return dataloader_state
+
+
 def _state_of(obj: Any, what: str) -> dict | None:
     if obj is None:
         return None
@@ -183,11 +197,14 @@ def capture_training_state(
         sample_start_index=step_in_epoch * (batch_size or 0), consumed_samples=check_step(consumed_samples),
         world_size=world_size, batch_size=batch_size, steps_per_epoch=steps_per_epoch, extra=dict(extra or {}),
     )
+    data = _state_of(dataloader, "dataloader") if rank == 0 else None
+    if data is not None and running.epoch_finished:
+        data = end_epoch(data)
     return TrainingState(
         rank=rank, running=running,
         optimizer=_state_of(optimizer, "optimizer"),
         lr_scheduler=_state_of(lr_scheduler, "lr_scheduler"),
-        dataloader=_state_of(dataloader, "dataloader") if rank == 0 else None,
+        dataloader=data,
         rng=snapshot(rng_state()) if rng else None,
     )
 

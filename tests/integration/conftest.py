@@ -32,8 +32,8 @@ def make_monitor(ray_local, tmp_path, run_name):
     """Start a monitor on a fresh root; kill it after the test."""
     handles = []
 
-    def make(root: str | None = None, storage_options: dict | None = None, **options):
-        handle = ckptd.start_monitor(root or str(tmp_path / "ckpt"), run=run_name,
+    def make(root: str | None = None, storage_options: dict | None = None, run: str | None = None, **options):
+        handle = ckptd.start_monitor(root or str(tmp_path / "ckpt"), run=run or run_name,
                                      storage_options=storage_options, **options)
         handles.append(handle)
         return handle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 
@@ -67,6 +68,25 @@ class SaveWorker:
 
     def running_threads(self) -> list[str]:
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptd-save-"))
+
+
+def failpoint_env(spec: str, once_dir=None) -> dict:
+    """A runtime_env that arms failpoints in the monitor (each firing once if once_dir is set)."""
+    env = {"CKPTD_FAILPOINTS": spec}
+    if once_dir is not None:
+        env["CKPTD_FAILPOINTS_ONCE"] = str(once_dir)
+    return {"env_vars": env}
+
+
+def restart_monitor(monitor, how: str = "ray.kill") -> None:
+    """Kill the monitor's process and wait until Ray has restarted it."""
+    before = ray.get(monitor.ping.remote())
+    if how == "ray.kill":
+        ray.kill(monitor, no_restart=False)
+    else:
+        os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: ray.get(monitor.ping.remote())["started_at"] != before["started_at"],
+             what="the monitor to restart")
 
 
 def status(monitor):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import threading
 
 import pytest
@@ -13,7 +12,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import SaveWorker, Signal, status, wait_for
+from .helpers import SaveWorker, Signal, failpoint_env, restart_monitor, status, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -36,16 +35,6 @@ def _tracker(root: str) -> str | None:
         return None
 
 
-def _kill(monitor, how: str) -> None:
-    before = ray.get(monitor.ping.remote())
-    if how == "ray.kill":
-        ray.kill(monitor, no_restart=False)
-    else:
-        os.kill(before["pid"], signal.SIGKILL)
-    wait_for(lambda: ray.get(monitor.ping.remote())["started_at"] != before["started_at"],
-             what="the monitor to restart")
-
-
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
 def test_monitor_killed_mid_step_recovers(make_monitor, run_name, tmp_path, how):
     root = str(tmp_path / "ckpt")
@@ -64,7 +53,7 @@ def test_monitor_killed_mid_step_recovers(make_monitor, run_name, tmp_path, how)
     trainer.register(2, checkpoint_thread_count=2)
     assert ray.get(workers[0].wait_all.remote()) is None
     wait_for(lambda: status(monitor).step(2).finished, what="rank 0's unit")
-    _kill(monitor, how)
+    restart_monitor(monitor, how)
 
     after = status(monitor)
     assert after.trackers.checkpoint == 1 and after.step(1).committed
@@ -89,7 +78,7 @@ def test_restart_repairs_a_tracker_behind_a_committed_manifest(make_monitor, tmp
     coord.wait_committed(2, timeout_s=30)
     with open(f"{root}/latest_checkpointed_iteration.txt", "w") as f:
         f.write("1\n")  # as if the crash came just before the rename
-    _kill(monitor, "SIGKILL")
+    restart_monitor(monitor, "SIGKILL")
     assert status(monitor).trackers.checkpoint == 2
     assert _tracker(root) == "2\n"
 
@@ -103,7 +92,7 @@ def test_timeout_fails_the_step_with_a_reason_and_survives_restart(make_monitor,
     with pytest.raises(ckptd.CheckpointSaveError, match="timed out after 1 s: 1 of 2 registered units"):
         coord.wait_committed(3, timeout_s=30)
     assert not _has_manifest(root, 3) and _tracker(root) is None
-    _kill(monitor, "ray.kill")
+    restart_monitor(monitor, "ray.kill")
     s = status(monitor).step(3)
     assert s.state.value == "failed" and "timed out" in s.reason
     # The late unit does not resurrect it, and the next step is unaffected.
@@ -114,13 +103,6 @@ def test_timeout_fails_the_step_with_a_reason_and_survives_restart(make_monitor,
     other.wait_all()
     other.wait_committed(4, timeout_s=30)
     assert not _has_manifest(root, 3) and ckptd.latest_step(root) == 4
-
-
-def _env(spec: str, once_dir=None) -> dict:
-    env = {"CKPTD_FAILPOINTS": spec}
-    if once_dir is not None:
-        env["CKPTD_FAILPOINTS_ONCE"] = str(once_dir)
-    return {"env_vars": env}
 
 
 def _save_step_one(monitor, root: str) -> ckptd.CheckpointCoordinator:
@@ -136,7 +118,7 @@ def test_monitor_crash_in_the_commit_path_recovers(make_monitor, tmp_path, point
     """SIGKILL-like exit at each monitor failpoint: after the restart the step still commits,
     and the tracker ends up at it."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, runtime_env=_env(f"{point}=crash", once_dir=tmp_path / "fp"))
+    monitor = make_monitor(root, runtime_env=failpoint_env(f"{point}=crash", once_dir=tmp_path / "fp"))
     first = ray.get(monitor.ping.remote())
     coord = _save_step_one(monitor, root)
     coord.wait_all()
@@ -148,7 +130,7 @@ def test_monitor_crash_in_the_commit_path_recovers(make_monitor, tmp_path, point
 
 def test_failpoint_before_manifest(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=1, runtime_env=_env("before_manifest=raise"))
+    monitor = make_monitor(root, commit_retries=1, runtime_env=failpoint_env("before_manifest=raise"))
     coord = _save_step_one(monitor, root)
     with pytest.raises(ckptd.CheckpointSaveError, match="commit failed after 2 attempts: FailpointError"):
         coord.wait_committed(1, timeout_s=30)
@@ -157,7 +139,7 @@ def test_failpoint_before_manifest(make_monitor, tmp_path):
 
 def test_failpoint_before_tracker_rename(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0, runtime_env=_env("before_tracker_rename=raise"))
+    monitor = make_monitor(root, commit_retries=0, runtime_env=failpoint_env("before_tracker_rename=raise"))
     coord = _save_step_one(monitor, root)
     coord.wait_committed(1, timeout_s=30)  # the manifest is what commits
     assert _has_manifest(root, 1) and _tracker(root) is None
@@ -184,7 +166,7 @@ def test_failpoint_after_unit_write_fails_the_unit(make_monitor, tmp_path):
 
 def test_slow_commit_io_does_not_block_the_monitor(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, runtime_env=_env("before_manifest=delay:3"))
+    monitor = make_monitor(root, runtime_env=failpoint_env("before_manifest=delay:3"))
     coord = _save_step_one(monitor, root)
     # Status is served, and other steps are registered, while the manifest write is stalled.
     wait_for(lambda: status(monitor).step(1).state.value == "committing", what="a commit in progress")

@@ -1,4 +1,4 @@
-"""The ``ckptd`` command line: ``ckptd demo`` and ``ckptd latest``."""
+"""The ``ckptd`` command line: ``ckptd demo``, ``ckptd latest`` and ``ckptd verify``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--workers", type=_positive, default=2)
     latest = sub.add_parser("latest", help="print the latest committed steps under a root")
     latest.add_argument("root")
+    verify = sub.add_parser("verify", help="check every file of a committed step against its manifest")
+    verify.add_argument("root")
+    verify.add_argument("--step", type=int, default=None, help="the step (default: the newest checkpoint)")
+    verify.add_argument("--kind", choices=["checkpoint", "state_dict"], default="checkpoint")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -33,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
         root = args.root or f"ckptd-demo/{time.strftime('%Y%m%d-%H%M%S')}"
         latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers)
         return 0 if latest_step is not None or args.steps < args.ckpt_every else 1
+    if args.command == "verify":
+        from ckptd.errors import CheckpointError
+        from ckptd.verify import verify as _verify
+
+        try:
+            step = _verify(args.root, args.step, kind=args.kind)
+        except CheckpointError as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+        print(f"step {step.step}: {len(step.files)} files match the manifest ({step.path})")
+        return 0
     from ckptd.layout import latest_step as _latest
 
     print(f"checkpoint: {_latest(args.root)}")

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import ckptd
+from ckptd.cli import main
 from ckptd.workers import capture_training_state, save_hf_model, save_sharded, save_training_state, snapshot
 
 from .. import tiny
@@ -164,7 +165,7 @@ def test_verify_and_resume_catch_damaged_files(make_monitor, tmp_path, damage):
     coord.register(2, checkpoint_thread_count=1)
     coord.wait_committed(2, timeout_s=60)
     coord.close()
-    assert ckptd.verify(root).step == 2
+    assert ckptd.verify(root).step == 2 and main(["verify", root]) == 0
 
     path = f"{out}/model.safetensors"
     data = bytearray(open(path, "rb").read())
@@ -180,6 +181,7 @@ def test_verify_and_resume_catch_damaged_files(make_monitor, tmp_path, damage):
         expected = "missing"
     with pytest.raises(ckptd.CorruptCheckpointError, match=rf"global_step_2/model.safetensors: {expected}"):
         ckptd.verify(root, 2)
+    assert main(["verify", root, "--step", "2"]) == 1
     fresh = tiny.llama(seed=6)
     before = snapshot(fresh.state_dict())
     with pytest.raises(ckptd.CorruptCheckpointError, match="model.safetensors"):

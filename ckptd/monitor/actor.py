@@ -245,7 +245,7 @@ class CheckpointMonitor:
             writers=WriterSlotsStatus(strategy=self._opts.save_strategy,
                                       holders=self._slots.holders(), waiting=self._slots.waiting()),
             retention=RetentionStatus(passes=self._retention_passes,
-                                      deleted_steps=list(self._retention_deleted[-_HISTORY:]),
+                                      deleted_steps=list(self._retention_deleted),
                                       errors=list(self._retention_errors)),
             started_at=self._started_at,
         )
@@ -419,7 +419,7 @@ class CheckpointMonitor:
                 failed = self._ledger.failed_steps() - in_flight
                 try:
                     result = await self._in_thread(self._retention_pass, protected, failed)
-                    self._retention_deleted += result.deleted
+                    self._retention_deleted = (self._retention_deleted + result.deleted)[-_HISTORY:]
                     self._retention_errors = result.errors
                 except Exception as e:  # best-effort: the next commit runs another pass
                     log.warning("retention pass failed: %s: %s", type(e).__name__, e)

@@ -26,14 +26,16 @@ from ray.exceptions import RayActorError
 from ckptd import failpoints
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
+from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, flatten, rebuild
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.layout import find_step_dir
-from ckptd.manifest import FileEntry
+from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.monitor import journal
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.monitor.service import actor_name
 from ckptd.storage import Storage
 from ckptd.units import StepDirTemplate, UnitId, check_count, check_name, check_step
+from ckptd.workers.safetensors_io import check_tensors, write_safetensors
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -91,6 +93,9 @@ class CheckpointCoordinator:
             and process id outside an actor. Two coordinators must not share one.
         max_pending: How many units of one name may wait behind the running one before
             ``save_async`` blocks (back-pressure bounds the memory that queued saves hold).
+        max_staged: How many staged snapshots of one name (:meth:`save_state_async`) may be in
+            flight; the next save of that name waits for one to be written. Staging memory is
+            at most this many copies of the state, allocated once and reused.
         notify_timeout_s: How long notifications are retried while the monitor is unreachable.
 
     NOTE: a save function runs while training goes on. If it reads tensors that the optimizer
@@ -104,10 +109,13 @@ class CheckpointCoordinator:
         *,
         worker_id: str | None = None,
         max_pending: int = 1,
+        max_staged: int = 1,
         notify_timeout_s: float = 600.0,
     ) -> None:
         if check_count(max_pending, "max_pending") < 1:
             raise CheckpointConfigError("max_pending must be >= 1")
+        if check_count(max_staged, "max_staged") < 1:
+            raise CheckpointConfigError("max_staged must be >= 1")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
         self._monitor = checkpoint_monitor
@@ -124,6 +132,9 @@ class CheckpointCoordinator:
         self._node = ctx.get_node_id()
         self._process = f"{self._node}:{os.getpid()}"
         self._max_pending = max_pending
+        self._max_staged = max_staged
+        self._stagers: dict[str, Stager] = {}
+        self._staging: StagingThread | None = None
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
         self._errors: list[CheckpointSaveError] = []
@@ -178,6 +189,114 @@ class CheckpointCoordinator:
             if lane is None:
                 lane = self._lanes[name] = _Lane(name, self._run_job, self._max_pending)
         lane.queue.put(_Job(unit, save_fn))  # blocks while max_pending units are queued
+
+    def save_state_async(
+        self,
+        name: str,
+        state: Any,
+        global_step: int,
+        write_fn: Callable[[Any], Any] | None = None,
+        *,
+        is_state_dict: bool = False,
+        fenced: bool = False,
+    ) -> None:
+        """Snapshot ``state`` into this name's reusable host buffers, then write it in the background.
+
+        The tensors of ``state`` (a nested dict/list of tensors and plain values, such as a
+        model or optimizer state dict) are copied into host buffers owned by ``name`` and reused
+        by its next save (pinned when the tensors are on a GPU); ``write_fn(snapshot)`` then
+        runs in the save thread ``name`` as one save unit, on a copy with the same structure.
+        Training may change the original tensors as soon as the copy is done.
+
+        Args:
+            name: The save's name; saves of one name share buffers and run in call order.
+            state: What to save.
+            global_step: The training step.
+            write_fn: Writes the snapshot and returns what it wrote (paths or WrittenFile), e.g.
+                ``lambda sd: save_hf_model(out, sd, config)``. By default a flat dict of tensors
+                is written to ``{step_dir}/{name}.safetensors``.
+            is_state_dict: As for :meth:`save_async`.
+            fenced: Copy on a staging thread and return at once; the training loop must call
+                :meth:`before_update` before anything changes the tensors (the optimizer
+                step). Otherwise the copy runs here, and this returns when it is done.
+
+        Blocks while ``max_staged`` snapshots of ``name`` are still being written (back-pressure).
+
+        Raises:
+            CheckpointConfigError: bad name, step, state or write_fn; nothing was started.
+            CheckpointError: an eager copy failed (the buffers are released).
+
+        NOTE: with ``fenced=True``, a call to :meth:`before_update` must come before the state
+        changes, or the checkpoint mixes two steps; nothing can detect a missing fence.
+        """
+        unit = self._unit(name, global_step, is_state_dict)
+        leaves = flatten(state)
+        if not leaves:
+            raise CheckpointConfigError(f"state of save {name!r} holds no tensors; use save_async for other data")
+        if write_fn is None:
+            check_tensors(state, "state")
+            path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
+
+            def write_fn(snapshot: Any) -> list[WrittenFile]:
+                self._storage.makedirs(path.rsplit("/", 1)[0])
+                return [write_safetensors(self._storage, path, snapshot, {"format": "pt"})]
+        elif not callable(write_fn):
+            raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
+        with self._lock:
+            stager = self._stagers.get(name)
+            if stager is None:
+                stager = self._stagers[name] = Stager(self._max_staged)
+        buf = stager.acquire(leaves)
+        job = StagedCopy(leaves, buf)
+        started = False
+        try:
+            if fenced:
+                self._staging_thread().submit(job)
+                started = True
+            else:
+                started = True
+                job.run()
+                job.wait()
+            snapshot = rebuild(state, buf.tensors)
+        except BaseException:
+            if started:
+                job.join()  # never hand back buffers the staging thread may still be filling
+            stager.release(buf)
+            raise
+
+        def save_fn() -> Any:
+            try:
+                job.wait()
+                return write_fn(snapshot)
+            finally:
+                stager.release(buf)
+
+        try:
+            self.save_async(name, save_fn, global_step, is_state_dict)
+        except BaseException:
+            job.join()  # the staging thread may still be writing into the buffers
+            stager.release(buf)
+            raise
+
+    def before_update(self) -> None:
+        """Wait until every fenced staging copy has finished; call it before the optimizer step.
+
+        Returns at once when nothing is being staged.
+        """
+        staging = self._staging
+        if staging is not None:
+            staging.fence()
+
+    def staged_bytes(self) -> int:
+        """Host memory held by staging buffers, all names together."""
+        with self._lock:
+            return sum(s.allocated_bytes for s in self._stagers.values())
+
+    def _staging_thread(self) -> StagingThread:
+        with self._lock:
+            if self._staging is None:
+                self._staging = StagingThread(f"ckptd-stage-{self._worker}")
+            return self._staging
 
     def save_sync(self, save_fn: Callable[[], None], global_step: int, is_state_dict: bool = False) -> None:
         """Run ``save_fn`` on the calling thread as one save unit (for saves that need barriers).

@@ -13,6 +13,7 @@ import json
 import pickle
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import IO, Any
 
@@ -25,8 +26,19 @@ from ckptd.storage import Storage
 _CHUNK = 64 << 20
 
 
+_OVERLAP_MIN = 1 << 20
+# zlib.crc32 and file writes both release the GIL on large buffers, so a helper thread can
+# checksum a slice while the writing thread hands the same slice to the OS.
+_crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc")
+
+
 class ChecksumWriter(io.RawIOBase):
-    """A write-only stream that passes bytes through to ``f`` and keeps their CRC-32 and count."""
+    """A write-only stream that passes bytes through to ``f`` and keeps their CRC-32 and count.
+
+    Large writes go out in slices of 64 MiB; each slice is checksummed on a helper thread while
+    it is written, and both finish before :meth:`write` returns, because callers such as
+    ``torch.save`` reuse their buffer afterwards.
+    """
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
@@ -38,10 +50,15 @@ class ChecksumWriter(io.RawIOBase):
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
-        for start in range(0, len(view), _CHUNK):  # large writes, checksummed slice by slice
+        for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
-            self.crc = zlib.crc32(part, self.crc)
+            if len(part) < _OVERLAP_MIN:
+                self.crc = zlib.crc32(part, self.crc)
+                self._f.write(part)
+                continue
+            crc = _crc_pool.submit(zlib.crc32, part, self.crc)
             self._f.write(part)
+            self.crc = crc.result()
         self.size += len(view)
         return len(view)
 

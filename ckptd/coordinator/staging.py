@@ -1,0 +1,190 @@
+"""Staging: copying a state's tensors into reusable host buffers so that training can go on.
+
+A save that reads live tensors while the optimizer changes them in place writes a checkpoint
+that mixes two steps. Staging copies them first, into host buffers that belong to the save's
+name and are reused by its next save, so the steady state allocates nothing. Buffers are pinned
+when the source tensors live on a GPU, so the device-to-host copy runs at full speed and can be
+asynchronous.
+
+Two ways to stage:
+
+* eager: the copy runs on the training thread, which waits for it (bounded by memcpy speed);
+* fenced: the copy runs on a staging thread while forward and backward go on, since parameters
+  and optimizer state only change at the optimizer step. The training loop calls
+  ``coord.before_update()`` before that step, which waits for whatever part of the copy is not
+  done yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ckptd.errors import CheckpointError
+
+
+def flatten(state: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested dict/list/tuple, with a path naming where it sits."""
+    if isinstance(state, torch.Tensor):
+        return [(path, state)]
+    if isinstance(state, Mapping):
+        return [leaf for k, v in state.items() for leaf in flatten(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(state, (list, tuple)):
+        return [leaf for i, v in enumerate(state) for leaf in flatten(v, f"{path}.{i}" if path else str(i))]
+    return []
+
+
+def rebuild(state: Any, tensors: list[torch.Tensor]) -> Any:
+    """``state`` with its tensors replaced, in :func:`flatten` order, and other leaves copied."""
+    it = iter(tensors)
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return next(it)
+        if isinstance(obj, Mapping):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return copy.deepcopy(obj)
+
+    return walk(state)
+
+
+def _layout(leaves: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((t.shape, t.dtype, t.device.type == "cuda") for _, t in leaves)
+
+
+class BufferSet:
+    """Host tensors shaped like one state's tensors (pinned for GPU sources)."""
+
+    def __init__(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        self.layout = _layout(leaves)
+        self.tensors = [
+            torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+            for _, t in leaves
+        ]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.tensors)
+
+
+class Stager:
+    """The buffers of one save name: at most ``max_in_flight`` sets, reused in turn.
+
+    :meth:`acquire` blocks while every set is held by a save still being written: that is the
+    back-pressure that bounds staging memory to ``max_in_flight`` copies of the state.
+    """
+
+    def __init__(self, max_in_flight: int) -> None:
+        self._max = max_in_flight
+        self._free: list[BufferSet] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self.allocated_bytes = 0
+
+    def acquire(self, leaves: list[tuple[str, torch.Tensor]]) -> BufferSet:
+        layout = _layout(leaves)
+        with self._cond:
+            while True:
+                for i, buf in enumerate(self._free):
+                    if buf.layout == layout:
+                        return self._free.pop(i)
+                if self._free and self._count >= self._max:
+                    # The state changed shape: drop an idle set of the old shape for a new one.
+                    old = self._free.pop()
+                    self._count -= 1
+                    self.allocated_bytes -= old.nbytes
+                if self._count < self._max:
+                    self._count += 1
+                    break
+                self._cond.wait()
+        try:
+            buf = BufferSet(leaves)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+        with self._cond:
+            self.allocated_bytes += buf.nbytes
+        return buf
+
+    def release(self, buf: BufferSet) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+class StagedCopy:
+    """One state copied into one buffer set; :meth:`wait` returns once the copy is complete."""
+
+    def __init__(self, leaves: list[tuple[str, torch.Tensor]], buf: BufferSet) -> None:
+        self._pairs = [(t, b) for (_, t), b in zip(leaves, buf.tensors, strict=True)]
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            cuda = False
+            with torch.no_grad():
+                for src, dst in self._pairs:
+                    is_cuda = src.device.type == "cuda"
+                    dst.copy_(src.detach(), non_blocking=is_cuda)
+                    cuda = cuda or is_cuda
+            if cuda:
+                torch.cuda.synchronize()  # non_blocking device-to-host copies must land first
+        except BaseException as e:  # surfaced by the save unit, which fails the step
+            self.error = e
+        finally:
+            self._pairs = []
+            self._done.set()
+
+    def join(self) -> None:
+        """Wait for the copy to end, however it ended."""
+        self._done.wait()
+
+    def wait(self) -> None:
+        """Wait for the copy to end; raise if it failed."""
+        self._done.wait()
+        if self.error is not None:
+            err = self.error
+            raise CheckpointError(f"staging the state failed: {type(err).__name__}: {err}") from err
+
+
+class StagingThread:
+    """Runs fenced copies one after another, off the training thread."""
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[StagedCopy] = []
+        self._running: StagedCopy | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: StagedCopy) -> None:
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def fence(self) -> None:
+        """Wait until every submitted copy has finished."""
+        with self._cond:
+            while self._queue or self._running is not None:
+                self._cond.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                self._running = self._queue.pop(0)
+            try:
+                self._running.run()
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()

@@ -72,6 +72,7 @@ class CheckpointMonitor:
         self._retention_passes = 0
         self._retention_deleted: list[int] = []
         self._retention_errors: list[str] = []
+        self._notifications = 0  # requests from coordinators, for throughput figures
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
         ready = self._rebuild()
         self._spawn(self._housekeeping())
@@ -155,6 +156,7 @@ class CheckpointMonitor:
         Returns ``{"error": None}`` on success, or ``{"error": {...}}`` describing a conflict,
         bad input, or a failure of the step, which the coordinator raises as an exception.
         """
+        self._notifications += 1
         try:
             step = check_step(step)
             parsed = {Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()}
@@ -190,15 +192,18 @@ class CheckpointMonitor:
         return {"error": None}
 
     async def notify_started(self, unit: dict) -> None:
+        self._notifications += 1
         self._ledger.start(UnitId.from_dict(unit), time.time())
 
     async def notify_finished(self, unit: dict, files: list[dict]) -> None:
+        self._notifications += 1
         uid = UnitId.from_dict(unit)
         rec = self._ledger.finish(uid, [FileEntry(**f) for f in files], time.time())
         self._release(_slot_key(uid))
         self._after_change(rec)
 
     async def notify_failed(self, unit: dict, failure: dict) -> None:
+        self._notifications += 1
         uid = UnitId.from_dict(unit)
         rec = self._ledger.fail(uid, UnitFailure(**failure), time.time())
         self._release(_slot_key(uid))
@@ -207,6 +212,7 @@ class CheckpointMonitor:
     async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
         """Wait for a writer slot. Returns ``{"granted": True}``, or ``{"aborted": cause}`` when
         the unit's step failed meanwhile (nothing should be written for it then)."""
+        self._notifications += 1
         uid = UnitId.from_dict(unit)
         key = _slot_key(uid)
         self._ledger.start(uid, time.time())
@@ -247,6 +253,7 @@ class CheckpointMonitor:
             retention=RetentionStatus(passes=self._retention_passes,
                                       deleted_steps=list(self._retention_deleted),
                                       errors=list(self._retention_errors)),
+            notifications=self._notifications,
             started_at=self._started_at,
         )
 
@@ -292,7 +299,7 @@ class CheckpointMonitor:
 
     def _after_change(self, rec: StepRecord) -> None:
         if self._ledger.is_ready(rec):
-            self._ledger.begin_commit(rec)
+            self._ledger.begin_commit(rec, time.time())
             self._spawn(self._commit(rec))
         elif rec.state is StepState.FAILED:
             self._on_failed(rec)
@@ -305,7 +312,7 @@ class CheckpointMonitor:
 
     async def _commit(self, rec: StepRecord) -> None:
         if rec.state is StepState.PENDING:
-            self._ledger.begin_commit(rec)
+            self._ledger.begin_commit(rec, time.time())
         finished = dict(rec.finished)
         try:
             await self._retrying(self._write_manifest, rec.step, rec.kind, finished)

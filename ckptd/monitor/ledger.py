@@ -52,6 +52,7 @@ class StepRecord:
     failed: dict[str, UnitFailure] = field(default_factory=dict)
     state: StepState = StepState.PENDING
     reason: str | None = None
+    ready_at: float | None = None  # when the commit rule was met (the last unit reported)
     committed_at: float | None = None
 
     @property
@@ -202,9 +203,10 @@ class StepLedger:
             and not rec.failed
         )
 
-    def begin_commit(self, rec: StepRecord) -> None:
+    def begin_commit(self, rec: StepRecord, now: float | None = None) -> None:
         assert self.is_ready(rec), rec
         rec.state = StepState.COMMITTING
+        rec.ready_at = now
 
     def commit_done(self, rec: StepRecord, now: float) -> None:
         rec.state = StepState.COMMITTED

@@ -23,6 +23,7 @@ class StepStatus(BaseModel):
     failed: list[UnitFailure]
     reason: str | None
     first_seen: float
+    ready_at: float | None
     committed_at: float | None
 
     @classmethod
@@ -32,7 +33,7 @@ class StepStatus(BaseModel):
             committed=rec.state is StepState.COMMITTED, expected=rec.expected,
             started=sorted(rec.started), finished=sorted(rec.finished),
             failed=[rec.failed[u] for u in sorted(rec.failed)], reason=rec.reason,
-            first_seen=rec.first_seen, committed_at=rec.committed_at,
+            first_seen=rec.first_seen, ready_at=rec.ready_at, committed_at=rec.committed_at,
         )
 
 
@@ -72,6 +73,7 @@ class MonitorStatus(BaseModel):
     steps: list[StepStatus]
     writers: WriterSlotsStatus
     retention: RetentionStatus
+    notifications: int
     started_at: float
 
     def step(self, step: int, kind: str | Kind = Kind.CHECKPOINT) -> StepStatus | None:

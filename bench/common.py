@@ -1,0 +1,70 @@
+"""What every scenario shares: the state to save, timing, and the result records."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+MiB = 1 << 20
+
+
+def make_state(nbytes: int, tensors: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """float32 tensors totalling ``nbytes``, like a model's parameters."""
+    g = torch.Generator().manual_seed(seed)
+    per = max(1, nbytes // 4 // tensors)
+    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(tensors)}
+
+
+def state_bytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` and the directories, as a durable save must."""
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+@dataclass
+class Row:
+    """One measured method of one scenario: every repetition, summarised by the median."""
+
+    scenario: str
+    method: str
+    unit: str
+    samples: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def to_json(self) -> dict:
+        return {"scenario": self.scenario, "method": self.method, "unit": self.unit,
+                "median": self.median, "min": min(self.samples), "max": max(self.samples),
+                "samples": self.samples, "note": self.note}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def busy_compute(seconds: float, size: int = 256) -> None:
+    """Stand-in for forward and backward: matrix products on the training thread."""
+    a = torch.randn(size, size)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        a = torch.tanh(a @ a)

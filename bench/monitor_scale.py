@@ -1,0 +1,68 @@
+"""P4: the monitor under many workers: commit latency (last unit reported -> tracker durable)
+and notifications handled per second."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import ray
+
+import ckptd
+
+from .common import Row
+
+
+@ray.remote(num_cpus=0)
+class Host:
+    """Hosts several simulated training workers, each with its own coordinator."""
+
+    def __init__(self, run: str, first: int, count: int, units: int) -> None:
+        monitor = ckptd.get_monitor(run)
+        self.coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{first + i}") for i in range(count)]
+        self.units = units
+
+    def ready(self) -> int:
+        return len(self.coords)
+
+    def step(self, step: int) -> None:
+        for coord in self.coords:
+            for u in range(self.units):
+                coord.save_async(f"u{u}", list, step)  # a unit that writes nothing
+        for coord in self.coords:
+            coord.wait_all()
+
+    def close(self) -> None:
+        for coord in self.coords:
+            coord.close()
+
+
+def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts: int = 4) -> list[Row]:
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="ckptd-bench-p4-", dir=base_dir)
+    run = f"bench-p4-{os.getpid()}"
+    monitor = ckptd.start_monitor(root, run=run)
+    driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
+    per = -(-workers // hosts)
+    actors = [Host.remote(run, i * per, min(per, workers - i * per), units) for i in range(hosts) if i * per < workers]
+    assert sum(ray.get([a.ready.remote() for a in actors])) == workers  # started before the clock
+    before = ray.get(monitor.status.remote()).notifications
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        driver.register(step, checkpoint_thread_count=workers * units)
+        ray.get([a.step.remote(step) for a in actors])
+    driver.wait_committed(steps, timeout_s=600)
+    elapsed = time.perf_counter() - t0
+    st = ray.get(monitor.status.remote())
+    latencies = sorted(s.committed_at - s.ready_at for s in st.steps if s.committed and s.ready_at)
+    ray.get([a.close.remote() for a in actors])
+    driver.close()
+    ray.kill(monitor, no_restart=True)
+    note = f"{workers} workers x {units} units, {steps} steps, on {len(actors)} host actors"
+    p50 = Row("P4 monitor", "commit latency p50", "s", [statistics.median(latencies)], note)
+    p99 = Row("P4 monitor", "commit latency p99", "s",
+              [latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]], note)
+    rate = Row("P4 monitor", "notifications per second", "1/s", [(st.notifications - before) / elapsed], note)
+    return [p50, p99, rate]

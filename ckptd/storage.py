@@ -84,7 +84,7 @@ class Storage:
     # -- writing -------------------------------------------------------------------------------
 
     def write_atomic(
-        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None
+        self, path: str, data: bytes, *, before_publish: Callable[[], None] | None = None, durable: bool = True
     ) -> None:
         """Publish ``data`` at ``path`` so that readers never see a partial file.
 
@@ -93,17 +93,21 @@ class Storage:
             data: The complete content.
             before_publish: Called after the content is durable but before it becomes visible
                 (the failpoint hook for "crash before rename").
+            durable: False skips the fsyncs on POSIX: still all or nothing for readers, but a
+                power loss may lose the file. For records whose loss only delays a commit.
         """
         if not self.is_posix:
             if before_publish is not None:
                 before_publish()
             self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
             return
-        with self._posix_atomic(path, before_publish) as f:
+        with self._posix_atomic(path, before_publish, durable) as f:
             f.write(data)
 
     @contextmanager
-    def _posix_atomic(self, path: str, before_publish: Callable[[], None] | None) -> Iterator[IO[bytes]]:
+    def _posix_atomic(
+        self, path: str, before_publish: Callable[[], None] | None, durable: bool = True
+    ) -> Iterator[IO[bytes]]:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
@@ -111,7 +115,8 @@ class Storage:
             with open(tmp, "wb") as f:
                 yield f
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             if before_publish is not None:
                 before_publish()
             os.replace(tmp, path)
@@ -122,7 +127,8 @@ class Storage:
             except FileNotFoundError:
                 pass
             raise
-        _fsync_dir(directory)
+        if durable:
+            _fsync_dir(directory)
 
     def make_durable(self, paths: list[str]) -> None:
         """Make files written with plain writes durable before anything points at them.

@@ -26,6 +26,7 @@ from ray.exceptions import RayActorError
 from ckptd import failpoints
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
+from ckptd.coordinator.notifier import Notifier
 from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, flatten, rebuild
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.layout import find_step_dir
@@ -135,6 +136,7 @@ class CheckpointCoordinator:
         self._max_staged = max_staged
         self._stagers: dict[str, Stager] = {}
         self._staging: StagingThread | None = None
+        self._notifier: Notifier | None = None
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
         self._errors: list[CheckpointSaveError] = []
@@ -448,7 +450,7 @@ class CheckpointCoordinator:
             files = self._execute(unit, job.save_fn)
             failpoints.hit("after_unit_write")
             journal.write_finished(self._storage, unit, files)
-            self._call("notify_finished", unit.to_dict(), [f.model_dump() for f in files])
+            self._notify().deliver(("finished", unit.to_dict(), [f.model_dump() for f in files]))
             return None
         except Exception as e:
             return self._report_failure(unit, e)
@@ -458,7 +460,9 @@ class CheckpointCoordinator:
 
     def _start(self, unit: UnitId, slot: str) -> None:
         if self._strategy is SaveStrategy.UNRESTRICTED:
-            self._call("notify_started", unit.to_dict())
+            # Not waited for: "started" only feeds status and the extra-unit check, and the
+            # notifier delivers it before the same unit's "finished".
+            self._notify().post(("started", unit.to_dict(), None))
             return
         result = self._call("acquire_slot", unit.to_dict(), self._node, self._process)
         if "aborted" in result:
@@ -516,7 +520,7 @@ class CheckpointCoordinator:
         except Exception as e:
             log.error("could not write the failure receipt of %s: %s", unit.label, e)
         try:
-            self._call("notify_failed", unit.to_dict(), failure.model_dump())
+            self._notify().deliver(("failed", unit.to_dict(), failure.model_dump()))
         except Exception as e:
             log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
         err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
@@ -524,6 +528,13 @@ class CheckpointCoordinator:
         return err
 
     # -- talking to the monitor ----------------------------------------------------------------
+
+    def _notify(self) -> Notifier:
+        with self._lock:
+            if self._notifier is None:
+                self._notifier = Notifier(lambda events: self._call("notify_batch", events),
+                                          f"ckptd-notify-{self._worker}")
+            return self._notifier
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call a monitor method, retrying while the actor restarts or is unreachable.

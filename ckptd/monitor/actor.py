@@ -209,6 +209,20 @@ class CheckpointMonitor:
         self._release(_slot_key(uid))
         self._after_change(rec)
 
+    async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> None:
+        """Several notifications in one call, applied in order: ``("started", unit, None)``,
+        ``("finished", unit, files)`` or ``("failed", unit, failure)``. Coordinators batch what
+        their save threads report at the same moment, which saves Ray calls under load."""
+        for event, unit, payload in events:
+            if event == "started":
+                await self.notify_started(unit)
+            elif event == "finished":
+                await self.notify_finished(unit, payload)
+            elif event == "failed":
+                await self.notify_failed(unit, payload)
+            else:
+                log.error("ignoring unknown notification %r", event)
+
     async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
         """Wait for a writer slot. Returns ``{"granted": True}``, or ``{"aborted": cause}`` when
         the unit's step failed meanwhile (nothing should be written for it then)."""

@@ -36,7 +36,9 @@ def write_registration(storage: Storage, step: int, kind: Kind, count: int, at: 
 def write_finished(storage: Storage, unit: UnitId, files: list[FileEntry]) -> None:
     body = {"unit": unit.to_dict(), "status": "finished", "at": time.time(),
             "files": [f.model_dump() for f in files]}
-    storage.write_atomic(_receipt_path(storage, unit), _dump(body))
+    # Not fsynced: a receipt lost to a power cut only means its step does not commit (it times
+    # out, the safe direction); the commit itself is the monitor's fsynced manifest.
+    storage.write_atomic(_receipt_path(storage, unit), _dump(body), durable=False)
 
 
 def write_failed(storage: Storage, unit: UnitId, failure: UnitFailure) -> None:

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
 from .common import MiB, Row, fsync_tree, timed
@@ -45,8 +46,9 @@ def p3_training(h: SaveHarness, model_mib: int, steps: int, every: int, reps: in
                     out = h.coord.step_dir(s)
 
                     def write_optim(snapshot, out=out):
-                        os.makedirs(out, exist_ok=True)
-                        return [write_torch(h.coord._storage, f"{out}/optim.pt", snapshot)]
+                        storage = Storage(out)
+                        storage.makedirs(storage.root)
+                        return [write_torch(storage, storage.join("optim.pt"), snapshot)]
 
                     h.coord.save_state_async("model", model.state_dict(), s, fenced=True)
                     h.coord.save_state_async("optim", opt.state_dict(), s, write_optim, fenced=True)

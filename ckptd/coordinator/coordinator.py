@@ -35,6 +35,7 @@ from ckptd.monitor import journal
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.monitor.service import actor_name
 from ckptd.storage import Storage
+from ckptd.threads import lower_priority
 from ckptd.units import StepDirTemplate, UnitId, check_count, check_name, check_step
 from ckptd.workers.safetensors_io import check_tensors, write_safetensors
 
@@ -66,6 +67,7 @@ class _Lane:
         self.thread.start()
 
     def _loop(self, run: Callable[[_Job], None]) -> None:
+        lower_priority()
         while True:
             job = self.queue.get()
             try:

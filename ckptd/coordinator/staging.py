@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckptd.errors import CheckpointError
+from ckptd.threads import lower_priority
 
 
 def flatten(state: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -177,6 +178,7 @@ class StagingThread:
                 self._cond.wait()
 
     def _loop(self) -> None:
+        lower_priority()
         while True:
             with self._cond:
                 while not self._queue:

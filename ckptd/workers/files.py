@@ -22,6 +22,7 @@ import torch
 from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.storage import Storage
+from ckptd.threads import lower_priority
 
 _CHUNK = 64 << 20
 
@@ -29,7 +30,7 @@ _CHUNK = 64 << 20
 _OVERLAP_MIN = 1 << 20
 # zlib.crc32 and file writes both release the GIL on large buffers, so a helper thread can
 # checksum a slice while the writing thread hands the same slice to the OS.
-_crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc")
+_crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc", initializer=lower_priority)
 
 
 class ChecksumWriter(io.RawIOBase):

@@ -29,9 +29,9 @@ def _saver(root: str, step: int, name: str, fail: bool = False):
     return save
 
 
-def _save(coord, root: str, step: int, full: bool, fail: bool = False) -> None:
+def _save(coord, root: str, step: int, full: bool) -> None:
     """A pipeline step: weights as a state-dict unit, plus the optimizer as a checkpoint unit."""
-    coord.save_async("weights", _saver(root, step, "model.bin", fail), step, is_state_dict=True)
+    coord.save_async("weights", _saver(root, step, "model.bin"), step, is_state_dict=True)
     if full:
         coord.save_async("optim", _saver(root, step, "optim.bin"), step)
     coord.register(step, is_state_dict=not full, state_dict_thread_count=1,
@@ -100,7 +100,9 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, leftover_grace_s=600)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _save(coord, root, 1, full=False, fail=True)  # wrote a file, then failed: never commits
+    # Wrote a file, then failed: never commits. (Not registered: a registration racing the
+    # failure would raise it there instead of in wait_all.)
+    coord.save_async("weights", _saver(root, 1, "model.bin", fail=True), 1, is_state_dict=True)
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_all()
     for crashed, age_s in ((2, 3600), (3, 0)):  # from a job that crashed: no ledger record

@@ -99,9 +99,14 @@ def delete_step(storage: Storage, entry: StepEntry) -> None:
 def is_idle(storage: Storage, entry: StepEntry, grace_s: float, now: float | None = None) -> bool:
     """Nothing in the directory changed for ``grace_s`` seconds."""
     now = time.time() if now is None else now
-    stats = storage.walk_files(storage.join(entry.name))
-    newest = max((st.mtime_ns or 0 for st in stats.values()), default=0) / 1e9
-    return now - newest >= grace_s
+    path = storage.join(entry.name)
+    times = [st.mtime_ns or 0 for st in storage.walk_files(path).values()]
+    try:
+        # The directory's own time too: a save that has just created it has no file in it yet.
+        times.append(storage.stat(path).mtime_ns or 0)
+    except OSError:
+        pass
+    return now - max(times, default=0) / 1e9 >= grace_s
 
 
 @dataclass

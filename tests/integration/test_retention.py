@@ -111,6 +111,7 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
         open(f"{d}/partial.bin", "wb").write(b"x" * 10)
         t = time.time() - age_s
         os.utime(f"{d}/partial.bin", (t, t))
+        os.utime(d, (t, t))
     _save(coord, root, 4, full=False)
     coord.wait_committed(4, is_state_dict=True, timeout_s=60)
     assert ray.get(monitor.wait_retention.remote(60))

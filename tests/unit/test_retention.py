@@ -83,3 +83,20 @@ def test_commits_in_random_order_converge_to_the_configured_set(seed):
     # A step that one pass deletes is outside the windows of every later pass too (later commits
     # only bring newer steps into a window), so the end result is the reference set.
     assert kept == expected
+
+
+def test_a_directory_just_created_is_not_idle(tmp_path):
+    """A save may have created its step directory and not written a file yet."""
+    import os
+    import time
+
+    from ckptd.monitor.retention import is_idle
+    from ckptd.storage import Storage
+
+    os.makedirs(tmp_path / "global_step_3")
+    entry = StepEntry(3, "global_step_3", frozenset())
+    storage = Storage(str(tmp_path))
+    assert not is_idle(storage, entry, grace_s=600)
+    old = time.time() - 3600
+    os.utime(tmp_path / "global_step_3", (old, old))
+    assert is_idle(storage, entry, grace_s=600)

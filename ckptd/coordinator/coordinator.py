@@ -534,8 +534,7 @@ class CheckpointCoordinator:
     def _notify(self) -> Notifier:
         with self._lock:
             if self._notifier is None:
-                self._notifier = Notifier(lambda events: self._call("notify_batch", events),
-                                          f"ckptd-notify-{self._worker}")
+                self._notifier = Notifier(lambda events: self._call("notify_batch", events))
             return self._notifier
 
     def _call(self, method: str, *args: Any) -> Any:

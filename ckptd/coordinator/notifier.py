@@ -1,11 +1,11 @@
-"""Notifications from a coordinator's save threads to the monitor, sent in batches."""
+"""Notifications from a coordinator's save threads to the monitor, batched when they pile up."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("ckptd.coordinator")
@@ -14,58 +14,68 @@ log = logging.getLogger("ckptd.coordinator")
 @dataclass
 class _Pending:
     event: Any
-    done: threading.Event | None = None
-    error: BaseException | None = field(default=None)
+    waits: bool
+    done: bool = False
+    error: BaseException | None = None
 
 
 class Notifier:
-    """Sends notifications in order, batching those that queue up while a call is in flight.
+    """Sends notifications in order; those that queue up while a call is in flight go together.
 
-    A lone notification goes out at once; when many save threads report together, one call
-    carries them all (group commit), so the number of Ray calls does not grow with the units.
+    Group commit without a thread of its own: a save thread that finds no call in flight sends
+    its notification itself, at the cost of one round trip, as an unbatched call would. Threads
+    that arrive meanwhile queue up, and when the call returns one of them sends everything that
+    queued in one call. So a lone notification costs no extra hand-off, and a burst of units
+    costs a few calls instead of one per unit.
 
     Args:
         send: Delivers a list of events to the monitor (retrying as it sees fit); raises if
             they could not be delivered.
-        name: The sending thread's name.
     """
 
-    def __init__(self, send: Callable[[list], None], name: str) -> None:
+    def __init__(self, send: Callable[[list], None]) -> None:
         self._send = send
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._sending = False
 
     def post(self, event: Any) -> None:
-        """Queue ``event`` and return; a failure to deliver it is only logged."""
-        with self._cond:
-            self._queue.append(_Pending(event))
-            self._cond.notify()
+        """Deliver ``event`` without waiting for a call in flight; failures are only logged."""
+        self._submit(_Pending(event, waits=False))
 
     def deliver(self, event: Any) -> None:
-        """Queue ``event`` and wait until the monitor has it; raise what delivery raised."""
-        pending = _Pending(event, threading.Event())
-        with self._cond:
-            self._queue.append(pending)
-            self._cond.notify()
-        pending.done.wait()
+        """Deliver ``event``; return once the monitor has it, or raise what delivery raised."""
+        pending = _Pending(event, waits=True)
+        self._submit(pending)
         if pending.error is not None:
             raise pending.error
 
-    def _loop(self) -> None:
+    def _submit(self, pending: _Pending) -> None:
+        with self._cond:
+            self._queue.append(pending)
+            while not pending.done and self._sending:
+                if not pending.waits:
+                    return  # queued behind the call in flight; its sender flushes it after
+                self._cond.wait()
+            if pending.done:
+                return
+            self._sending = True
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
                 batch, self._queue = self._queue, []
             error = None
             try:
                 self._send([p.event for p in batch])
-            except BaseException as e:  # handed to every waiter below
+            except BaseException as e:  # handed to every waiter in the batch
                 error = e
-                if any(p.done is None for p in batch):
+                if any(not p.waits for p in batch):
                     log.warning("could not deliver notifications to the monitor: %s", e)
-            for p in batch:
-                p.error = error
-                if p.done is not None:
-                    p.done.set()
+            with self._cond:
+                for p in batch:
+                    p.done, p.error = True, error
+                # A thread waiting in the queue takes over; posts alone are flushed from here.
+                if not self._queue or any(p.waits for p in self._queue):
+                    self._sending = False
+                    self._cond.notify_all()
+                    return
+                self._cond.notify_all()

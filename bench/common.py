@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ckptd.storage import Storage
 
 MiB = 1 << 20
 
@@ -26,14 +27,8 @@ def state_bytes(sd: dict[str, torch.Tensor]) -> int:
 
 def fsync_tree(path: str) -> None:
     """fsync every file under ``path`` and the directories, as a durable save must."""
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    storage = Storage(path)
+    storage.make_durable([storage.join(rel) for rel in storage.walk_files(storage.root)])
 
 
 @dataclass

@@ -33,6 +33,13 @@ def check_count(count: object, what: str) -> int:
     return int(count)
 
 
+def check_rank(rank: object, world_size: object) -> None:
+    """Raise CheckpointConfigError unless ``0 <= rank < world_size``."""
+    check_step(rank, "rank")
+    if check_step(world_size, "world_size") < 1 or rank >= world_size:
+        raise CheckpointConfigError(f"rank must be in [0, world_size), got rank {rank} of world_size {world_size}")
+
+
 def check_name(name: object, what: str = "save name") -> str:
     """Return ``name`` if it is safe to use in a file name, else raise CheckpointConfigError.
 

@@ -27,7 +27,7 @@ from ckptd import failpoints
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
 from ckptd.coordinator.notifier import Notifier
-from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, flatten, rebuild
+from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild, tensors_of
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.layout import find_step_dir
 from ckptd.manifest import FileEntry, WrittenFile
@@ -234,7 +234,7 @@ class CheckpointCoordinator:
         changes, or the checkpoint mixes two steps; nothing can detect a missing fence.
         """
         unit = self._unit(name, global_step, is_state_dict)
-        leaves = flatten(state)
+        leaves = tensors_of(state)
         if not leaves:
             raise CheckpointConfigError(f"state of save {name!r} holds no tensors; use save_async for other data")
         if write_fn is None:

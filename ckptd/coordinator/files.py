@@ -41,15 +41,19 @@ def discover_files(storage: Storage, step_path: str, started_ns: int) -> list[Fi
     return entries
 
 
+def _absolute(storage: Storage, p: str) -> str | None:
+    """The storage path of an absolute path or URL; None for a relative path."""
+    return storage.fs._strip_protocol(p) if "://" in p or p.startswith("/") else None
+
+
 def step_path_of(storage: Storage, returned: list) -> str | None:
     """The step directory that absolute returned paths lie in (the first component under root)."""
     prefix = storage.root.rstrip("/") + "/"
     for item in returned:
         p = item.path if isinstance(item, WrittenFile) else item
-        if isinstance(p, (str, os.PathLike)):
-            full = storage.fs._strip_protocol(os.fspath(p))
-            if full.startswith(prefix):
-                return prefix + full[len(prefix):].split("/", 1)[0]
+        full = _absolute(storage, os.fspath(p)) if isinstance(p, (str, os.PathLike)) else None
+        if full is not None and full.startswith(prefix):
+            return prefix + full[len(prefix):].split("/", 1)[0]
     return None
 
 
@@ -67,8 +71,8 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
                 "(or ckptd.WrittenFile records)"
             )
         p = os.fspath(p)
-        if "://" in p or p.startswith("/"):
-            full = storage.fs._strip_protocol(p)
+        full = _absolute(storage, p)
+        if full is not None:
             if not full.startswith(prefix):
                 raise CheckpointConfigError(
                     f"save_fn returned {p!r}, which is outside the step directory {step_path!r}; "

@@ -19,56 +19,40 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ckptd.errors import CheckpointError
 from ckptd.threads import lower_priority
+from ckptd.workers.state_dict import map_tensors
 
 
-def flatten(state: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested dict/list/tuple, with a path naming where it sits."""
-    if isinstance(state, torch.Tensor):
-        return [(path, state)]
-    if isinstance(state, Mapping):
-        return [leaf for k, v in state.items() for leaf in flatten(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(state, (list, tuple)):
-        return [leaf for i, v in enumerate(state) for leaf in flatten(v, f"{path}.{i}" if path else str(i))]
-    return []
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested dict/list/tuple, in :func:`map_tensors` order."""
+    found: list[torch.Tensor] = []
+    map_tensors(state, found.append)
+    return found
 
 
 def rebuild(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """``state`` with its tensors replaced, in :func:`flatten` order, and other leaves copied."""
+    """``state`` with its tensors replaced, in :func:`tensors_of` order, and other leaves copied."""
     it = iter(tensors)
-
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return next(it)
-        if isinstance(obj, Mapping):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return copy.deepcopy(obj)
-
-    return walk(state)
+    return map_tensors(state, lambda _: next(it), copy.deepcopy)
 
 
-def _layout(leaves: list[tuple[str, torch.Tensor]]) -> tuple:
-    return tuple((t.shape, t.dtype, t.device.type == "cuda") for _, t in leaves)
+def _layout(leaves: list[torch.Tensor]) -> tuple:
+    return tuple((t.shape, t.dtype, t.device.type == "cuda") for t in leaves)
 
 
 class BufferSet:
     """Host tensors shaped like one state's tensors (pinned for GPU sources)."""
 
-    def __init__(self, leaves: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
         self.layout = _layout(leaves)
         self.tensors = [
             torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
-            for _, t in leaves
+            for t in leaves
         ]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.tensors)
 
@@ -87,7 +71,7 @@ class Stager:
         self._cond = threading.Condition()
         self.allocated_bytes = 0
 
-    def acquire(self, leaves: list[tuple[str, torch.Tensor]]) -> BufferSet:
+    def acquire(self, leaves: list[torch.Tensor]) -> BufferSet:
         layout = _layout(leaves)
         with self._cond:
             while True:
@@ -123,8 +107,8 @@ class Stager:
 class StagedCopy:
     """One state copied into one buffer set; :meth:`wait` returns once the copy is complete."""
 
-    def __init__(self, leaves: list[tuple[str, torch.Tensor]], buf: BufferSet) -> None:
-        self._pairs = [(t, b) for (_, t), b in zip(leaves, buf.tensors, strict=True)]
+    def __init__(self, leaves: list[torch.Tensor], buf: BufferSet) -> None:
+        self._pairs = list(zip(leaves, buf.tensors, strict=True))
         self._done = threading.Event()
         self.error: BaseException | None = None
 

@@ -22,7 +22,7 @@ import torch
 from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.storage import Storage
-from ckptd.units import check_step
+from ckptd.units import check_rank
 from ckptd.workers.files import load_json, read_verified, write_json
 from ckptd.workers.hf import save_hf_model
 from ckptd.workers.safetensors_io import check_tensors, read_safetensors, write_safetensors
@@ -48,7 +48,7 @@ class Shard:
 def shard_dim0(state_dict: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, Shard]:
     """Rank ``rank``'s FSDP-style piece of every tensor: a slice along dim 0, as ``torch.chunk``
     would cut it (the last ranks may get smaller or empty pieces). 0-d tensors go to rank 0."""
-    _check_rank(rank, world_size)
+    check_rank(rank, world_size)
     out = {}
     for key, t in state_dict.items():
         if t.dim() == 0:
@@ -60,12 +60,6 @@ def shard_dim0(state_dict: Mapping[str, torch.Tensor], rank: int, world_size: in
         stop = min(start + per, t.shape[0])
         out[key] = Shard(t[start:stop], (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
     return out
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    check_step(rank, "rank")
-    if check_step(world_size, "world_size") < 1 or rank >= world_size:
-        raise CheckpointConfigError(f"rank must be in [0, world_size), got rank {rank} of world_size {world_size}")
 
 
 def save_sharded(
@@ -89,7 +83,7 @@ def save_sharded(
         CheckpointConfigError: bad rank, a piece that does not fit its global shape; nothing
             was written.
     """
-    _check_rank(rank, world_size)
+    check_rank(rank, world_size)
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict] = {}
     for key, value in shards.items():

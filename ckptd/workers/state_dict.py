@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ckptd.errors import CheckpointConfigError
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda x: x) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)`` and every other leaf by ``other(leaf)``.
+
+    Dicts (any mapping), lists and tuples are rebuilt, in order, so tensors are visited in the
+    same order on every call for the same structure.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(v, fn, other) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(v, fn, other) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn, other) for v in obj)
+    return other(obj)
 
 
 def snapshot(obj: Any) -> Any:
@@ -16,15 +33,7 @@ def snapshot(obj: Any) -> Any:
     Call it on the training thread before ``save_async``: the optimizer changes parameters and
     its own state in place, and a save that reads them later would mix two steps.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
 def select_prefix(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from ckptd.errors import CheckpointConfigError
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
-from ckptd.units import check_step
+from ckptd.units import check_rank, check_step
 from ckptd.workers.files import write_json, write_torch
 from ckptd.workers.state_dict import snapshot
 
@@ -177,10 +177,9 @@ def capture_training_state(
     Raises:
         CheckpointConfigError: bad numbers or objects without state_dict().
     """
-    for name, value in (("epoch", epoch), ("step", step), ("step_in_epoch", step_in_epoch), ("rank", rank)):
+    for name, value in (("epoch", epoch), ("step", step), ("step_in_epoch", step_in_epoch)):
         check_step(value, name)
-    if check_step(world_size, "world_size") < 1 or rank >= world_size:
-        raise CheckpointConfigError(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
+    check_rank(rank, world_size)
     if steps_per_epoch is None and dataloader is not None:
         try:
             steps_per_epoch = len(dataloader)

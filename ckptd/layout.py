@@ -147,10 +147,18 @@ def find_step_dir(storage: Storage, step: int, template: StepDirTemplate | None 
 
 
 def parse_tracker(text: str | None) -> int | None:
-    """The integer a tracker holds, or None for a missing tracker."""
+    """The integer a tracker holds, or None for a missing or unreadable tracker.
+
+    A tracker is only a pointer: readers confirm its step by the manifest, and fall back to the
+    manifests when it is missing or damaged (edited by hand, or caught mid-replace on HDFS).
+    """
     if text is None:
         return None
-    return int(text.strip())
+    try:
+        return int(text.strip())
+    except ValueError:
+        log.warning("ignoring a tracker that holds %r instead of a step number", text[:40])
+        return None
 
 
 def read_tracker(storage: Storage, kind: Kind) -> int | None:

@@ -1,15 +1,9 @@
-"""A narrow storage layer over fsspec, with atomic publication per backend.
+"""A narrow storage layer over fsspec.
 
-Checkpoint roots are URLs (``/abs/path``, ``file://``, ``s3://``, ``memory://`` ...), never
-``Path`` objects, because a root may live on an object store. All checkpoint I/O in ckptd goes
-through :class:`Storage`.
-
-How a file is published atomically depends on the backend:
-
-* POSIX (local disk, NFS, Lustre): temp file in the same directory, fsync, rename, fsync of the
-  directory. A reader sees the old file or the new one, never a partial one.
-* Anything else: one ``pipe_file`` call, which object stores turn into a single PUT; an object
-  is either there in full or not at all.
+Checkpoint roots are URLs (``/abs/path``, ``file://``, ``s3://``, ``gs://``, ``memory://`` ...),
+never ``Path`` objects, because a root may live on an object store. All checkpoint I/O in ckptd
+goes through :class:`Storage`. How a file is published atomically depends on the backend; see
+:mod:`ckptd.commit`.
 """
 
 from __future__ import annotations
@@ -17,32 +11,24 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_dir, strategy_for
 from ckptd.errors import CheckpointConfigError
 
-TMP_PREFIX = ".ckptd-tmp-"
+__all__ = ["TMP_PREFIX", "FileStat", "Storage"]
 
 
 @dataclass(frozen=True)
 class FileStat:
     size: int
     mtime_ns: int | None
-
-
-def _fsync_dir(path: str) -> None:
-    # The rename is not durable until the directory entry is, so fsync the directory too.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Storage:
@@ -64,7 +50,7 @@ class Storage:
         if "://" not in root:
             root = os.path.abspath(os.path.expanduser(root))
         try:
-            self.fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
+            self.fs, path = _open_fs(root, self.storage_options)
         except (ImportError, ValueError) as e:
             raise CheckpointConfigError(
                 f"cannot open checkpoint root {root!r}: {e}. Install the fsspec backend for this "
@@ -72,6 +58,7 @@ class Storage:
             ) from e
         self.root = path.rstrip("/") or "/"
         self.is_posix = isinstance(self.fs, LocalFileSystem)
+        self.commit: CommitStrategy = strategy_for(self.fs)
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.url = self.root if self.is_posix else f"{protocol}://{self.root.lstrip('/')}"
 
@@ -91,44 +78,17 @@ class Storage:
         Args:
             path: Destination (from :meth:`join`). Parent directories are created.
             data: The complete content.
-            before_publish: Called after the content is durable but before it becomes visible
-                (the failpoint hook for "crash before rename").
+            before_publish: Called after the content is written (and durable) but before it
+                becomes visible (the failpoint hook for "crash before rename").
             durable: False skips the fsyncs on POSIX: still all or nothing for readers, but a
                 power loss may lose the file. For records whose loss only delays a commit.
         """
-        if not self.is_posix:
-            if before_publish is not None:
-                before_publish()
-            self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
-            return
-        with self._posix_atomic(path, before_publish, durable) as f:
-            f.write(data)
+        self.commit.publish(path, data, durable=durable, before_publish=before_publish)
 
-    @contextmanager
-    def _posix_atomic(
-        self, path: str, before_publish: Callable[[], None] | None, durable: bool = True
-    ) -> Iterator[IO[bytes]]:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex[:12]}")
-        try:
-            with open(tmp, "wb") as f:
-                yield f
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
-            if before_publish is not None:
-                before_publish()
-            os.replace(tmp, path)
-        except BaseException:
-            # A failed publication leaves nothing behind; the old file (if any) is untouched.
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if durable:
-            _fsync_dir(directory)
+    def open_write(self, path: str) -> AbstractContextManager[IO[bytes]]:
+        """A file to stream into; it appears at ``path`` when the ``with`` block ends, and not at
+        all if the block raises. Not fsynced: see :meth:`make_durable`."""
+        return self.commit.open_write(path)
 
     def make_durable(self, paths: list[str]) -> None:
         """Make files written with plain writes durable before anything points at them.
@@ -153,7 +113,7 @@ class Storage:
                     break
                 d = os.path.dirname(d)
         for d in sorted(dirs, key=len, reverse=True):
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
@@ -235,6 +195,17 @@ class Storage:
                 f"checkpoint root {self.url!r} cannot be written ({type(e).__name__}: {e}); "
                 "pass a directory or bucket this job can write to"
             ) from e
+
+
+def _open_fs(url: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
+    if "://" not in url or url.startswith("file://") or "use_listings_cache" in options:
+        return fsspec.core.url_to_fs(url, **options)
+    # Listing caches (s3fs, gcsfs ...) would hide what other processes wrote since: a monitor
+    # must see a manifest or a unit's file as soon as it exists.
+    try:
+        return fsspec.core.url_to_fs(url, use_listings_cache=False, **options)
+    except TypeError:  # a filesystem that takes no such option has no such cache
+        return fsspec.core.url_to_fs(url, **options)
 
 
 def _mtime_ns(info: dict) -> int | None:

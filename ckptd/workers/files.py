@@ -69,7 +69,7 @@ class ChecksumWriter(io.RawIOBase):
 
 def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter], None]) -> WrittenFile:
     """Open ``path`` for writing, let ``fill`` write into it, and return what was written."""
-    with storage.open(path, "wb") as f:
+    with storage.open_write(path) as f:
         w = ChecksumWriter(f)
         fill(w)
     return w.record(path)

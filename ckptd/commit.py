@@ -1,0 +1,178 @@
+"""How a file is published atomically, per backend: the commit strategies behind :class:`Storage`.
+
+Every strategy gives readers the same promise: a published file is seen whole or not at all,
+and a write that fails leaves nothing at its final path (an older file there stays as it was).
+What changes between backends is how:
+
+* :class:`PosixRename` (local disk, NFS, Lustre): temp file in the same directory, fsync,
+  rename, fsync of the directory.
+* :class:`ObjectPut` (S3, GCS, Azure and other object stores): one PUT for small data, or a
+  multipart upload that is completed only when the write finished (fsspec's
+  ``autocommit=False``), and aborted otherwise. Object stores have no atomic rename, so there
+  is none.
+* :class:`MoveIntoPlace` (HDFS, and local disk behind ``dir://``: an atomic rename, and files
+  visible while they are written): temp file, then a move.
+* :class:`BufferedPut` (``memory://``, whose files are visible from the moment they are
+  opened): the content is buffered and stored in one call.
+
+Above these, a step is committed by writing its data, then its manifest, then the tracker; every
+reader asks whether the manifest exists (:func:`ckptd.layout.is_committed`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+TMP_PREFIX = ".ckptd-tmp-"
+Hook = Callable[[], None] | None
+
+#: Filesystems with an atomic rename and files that are visible while they are written.
+MOVE_PROTOCOLS = frozenset({"hdfs", "arrow_hdfs", "webhdfs", "viewfs"})
+
+
+def temp_name(path: str) -> str:
+    """A hidden sibling of ``path`` for a write in progress (readers and manifests skip these)."""
+    head, _, base = path.rpartition("/")
+    return f"{head}/{TMP_PREFIX}{base}-{uuid.uuid4().hex[:12]}"
+
+
+def fsync_dir(path: str) -> None:
+    # A rename is not durable until the directory entry is, so fsync the directory too.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CommitStrategy:
+    """Publishes files on one filesystem. Subclasses implement :meth:`open_write`."""
+
+    name = "abstract"
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
+        self.fs = fs
+
+    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
+        """A context manager yielding a writable file.
+
+        ``path`` appears when the block ends without an exception, and not at all otherwise.
+        ``durable`` fsyncs where that means anything (POSIX); ``before_publish`` runs once the
+        content is written (and durable) but before it becomes visible: a crash there must
+        leave the old file in place.
+        """
+        raise NotImplementedError
+
+    def publish(self, path: str, data: bytes, *, durable: bool = True, before_publish: Hook = None) -> None:
+        with self.open_write(path, durable=durable, before_publish=before_publish) as f:
+            f.write(data)
+
+
+def _run(hook: Hook) -> None:
+    if hook is not None:
+        hook()
+
+
+class PosixRename(CommitStrategy):
+    name = "posix-rename"
+
+    @contextmanager
+    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                if durable:
+                    os.fsync(f.fileno())
+            _run(before_publish)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        if durable:
+            fsync_dir(directory)
+
+
+class ObjectPut(CommitStrategy):
+    name = "object-put"
+
+    @contextmanager
+    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
+        # An object is durable once its upload completed; there is nothing to fsync.
+        f = self.fs.open(path, "wb", autocommit=False)
+        try:
+            yield f
+            f.close()
+            _run(before_publish)
+        except BaseException:
+            f.discard()  # aborts a multipart upload: no object, and no parts left behind
+            f.closed = True  # nothing left to flush when the file object is collected
+            raise
+        f.commit()
+
+
+class MoveIntoPlace(CommitStrategy):
+    name = "move-into-place"
+
+    @contextmanager
+    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
+        tmp = temp_name(path)
+        self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                yield f
+            _run(before_publish)
+            if self.fs.exists(path):
+                # HDFS refuses to rename over a file. Readers never depend on a tracker being
+                # present (they fall back to the manifests), and a step's data files are only
+                # rewritten while the step is uncommitted.
+                self.fs.rm(path)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            try:
+                self.fs.rm(tmp)
+            except (FileNotFoundError, OSError):
+                pass
+            raise
+
+
+class BufferedPut(CommitStrategy):
+    name = "buffered-put"
+
+    @contextmanager
+    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
+        buf = io.BytesIO()
+        yield buf
+        _run(before_publish)
+        self.fs.pipe_file(path, buf.getvalue())
+
+
+def strategy_for(fs: AbstractFileSystem) -> CommitStrategy:
+    """The commit strategy for a filesystem."""
+    if isinstance(fs, LocalFileSystem):
+        return PosixRename(fs)
+    if isinstance(fs, MemoryFileSystem):
+        return BufferedPut(fs)
+    target = fs.fs if isinstance(fs, DirFileSystem) else fs  # dir:// is a prefix over another fs
+    protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
+    if isinstance(target, LocalFileSystem) or protocols & MOVE_PROTOCOLS:
+        return MoveIntoPlace(fs)
+    if isinstance(target, MemoryFileSystem):
+        return BufferedPut(fs)
+    return ObjectPut(fs)

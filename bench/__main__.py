@@ -85,7 +85,7 @@ def table(rows: list[Row], targets: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="P1,P2,P3,P4,P5", help="comma-separated scenarios")
+    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6", help="comma-separated scenarios")
     p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P2 and P5")
     p.add_argument("--reps", type=int, default=5, help="repetitions per method (medians reported)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size")
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=128, help="P4 simulated workers")
     p.add_argument("--units", type=int, default=4, help="P4 units per worker and step")
     p.add_argument("--scale-steps", type=int, default=50, help="P4 steps")
+    p.add_argument("--mirror-mib", type=int, default=256, help="P6 step size")
     p.add_argument("--dir", default=None, help="scratch directory (default: the system temp dir)")
     p.add_argument("--json", default="bench/results.json", help="where to write the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and 1 repetition")
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mib, args.reps, args.model_mib = 4, 1, 4
         args.train_steps, args.ckpt_every, args.width = 4, 2, 256
         args.workers, args.units, args.scale_steps = 8, 2, 3
+        args.mirror_mib = 4
     else:
         args.width = 2048
     only = {s.strip().upper() for s in args.only.split(",")}
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from .rss import p5_rss
 
         rows += p5_rss(args.size_mib, args.dir, max(1, min(args.reps, 3)))
+    if "P6" in only:
+        from .mirror import p6_mirror
+
+        rows += p6_mirror(args.mirror_mib, max(1, min(args.reps, 3)), args.dir)
     targets = checks(rows)
     print(table(rows, targets))
     result = {

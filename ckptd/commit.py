@@ -109,22 +109,58 @@ class PosixRename(CommitStrategy):
             fsync_dir(directory)
 
 
+class _ObjectWriter(io.RawIOBase):
+    """Buffers an object's first block in memory: an object that ends within it is stored with
+    one PUT; a larger one becomes a multipart upload that is completed only by :meth:`finish`."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str, block: int) -> None:
+        self._fs, self._path, self._block = fs, path, block
+        self._buf: io.BytesIO | None = io.BytesIO()
+        self._file = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if self._buf is not None:
+            n = self._buf.write(b)
+            if self._buf.tell() > self._block:
+                self._file = self._fs.open(self._path, "wb", autocommit=False, block_size=self._block)
+                self._file.write(self._buf.getbuffer())
+                self._buf = None
+            return n
+        return self._file.write(b)
+
+    def finish(self, before_publish: Hook) -> None:
+        if self._file is None:
+            _run(before_publish)
+            self._fs.pipe_file(self._path, self._buf.getvalue())  # one PUT
+            return
+        self._file.close()  # uploads the last part
+        _run(before_publish)
+        self._file.commit()  # completes the multipart upload: the object appears whole
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.discard()  # aborts the multipart upload: no object, no parts left behind
+            self._file.closed = True  # nothing left to flush when the file object is collected
+        self._buf = None
+
+
 class ObjectPut(CommitStrategy):
     name = "object-put"
 
     @contextmanager
     def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
         # An object is durable once its upload completed; there is nothing to fsync.
-        f = self.fs.open(path, "wb", autocommit=False)
+        block = int(getattr(self.fs, "default_block_size", None) or 5 << 20)
+        w = _ObjectWriter(self.fs, path, block)
         try:
-            yield f
-            f.close()
-            _run(before_publish)
+            yield w
+            w.finish(before_publish)
         except BaseException:
-            f.discard()  # aborts a multipart upload: no object, and no parts left behind
-            f.closed = True  # nothing left to flush when the file object is collected
+            w.abort()
             raise
-        f.commit()
 
 
 class MoveIntoPlace(CommitStrategy):

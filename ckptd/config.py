@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckptd.errors import CheckpointConfigError
 
@@ -34,6 +35,82 @@ class Kind(str, Enum):
         return cls.STATE_DICT if is_state_dict else cls.CHECKPOINT
 
 
+def _check_keep(v: int | None, name: str) -> int | None:
+    if v is not None and v < 2:
+        raise ValueError(
+            f"{name} must be >= 2, or None to keep all, got {v}. Keeping only one would delete the "
+            "previous step while a reader (a resuming job, a rollout worker) may still be loading it"
+        )
+    return v
+
+
+def _check_every(v: int | None) -> int | None:
+    if v is not None and v < 1:
+        raise ValueError(f"keep_every_n_steps must be >= 1, or None, got {v}")
+    return v
+
+
+class MirrorOptions(BaseModel):
+    """The mirror tier: committed steps uploaded in the background to durable storage.
+
+    Pass ``mirror="s3://bucket/run"`` to :func:`ckptd.start_monitor`, or a dict of these fields
+    for more control. Credentials go in ``start_monitor(mirror_storage_options=...)``.
+
+    Attributes:
+        url: The mirror's root, any fsspec URL; it gets the same layout as the local root
+            (step directories, manifests, trackers), so it can be read and resumed from directly.
+        max_ckpt_to_keep, max_state_dict_to_keep, keep_every_n_steps: Retention on the mirror,
+            as for the local root; None keeps all (the default).
+        state_dicts: Mirror state-dict commits too, not only full checkpoints.
+        concurrency: Files uploaded at once.
+        retries: How often one request (a file's upload, a manifest, a tracker) is retried,
+            with exponential backoff, before the step's upload counts as failed.
+        retry_backoff_s: The first retry's delay; each next one doubles it (at most 30 s).
+        retry_after_s: A step whose upload failed is tried again this long after.
+        verify: ``"checksum"`` reads every uploaded file back from the mirror and compares its
+            CRC-32 with the manifest; ``"size"`` compares sizes only (no read-back).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    max_ckpt_to_keep: int | None = None
+    max_state_dict_to_keep: int | None = None
+    keep_every_n_steps: int | None = None
+    state_dicts: bool = False
+    concurrency: int = Field(default=4, ge=1, le=64)
+    retries: int = Field(default=5, ge=0)
+    retry_backoff_s: float = Field(default=1.0, ge=0)
+    retry_after_s: float = Field(default=60.0, gt=0)
+    verify: Literal["checksum", "size"] = "checksum"
+
+    @model_validator(mode="after")
+    def _state_dict_limit(self) -> MirrorOptions:
+        if self.max_state_dict_to_keep is not None and not self.state_dicts:
+            raise ValueError(
+                "max_state_dict_to_keep applies to mirrored state dicts; set state_dicts=True to mirror "
+                "them, or use max_ckpt_to_keep"
+            )
+        return self
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("the mirror url must be a non-empty path or URL, e.g. 's3://bucket/run'")
+        return v
+
+    @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
+    @classmethod
+    def _keep(cls, v: int | None, info) -> int | None:
+        return _check_keep(v, info.field_name)
+
+    @field_validator("keep_every_n_steps")
+    @classmethod
+    def _every(cls, v: int | None) -> int | None:
+        return _check_every(v)
+
+
 class MonitorOptions(BaseModel):
     """Options of a CheckpointMonitor, passed as keyword arguments to :func:`ckptd.start_monitor`.
 
@@ -58,6 +135,8 @@ class MonitorOptions(BaseModel):
         leftover_grace_s: Step directories without a manifest that are older than the newest
             commit are deleted once nothing in them has changed for this long (failed steps
             are deleted at once).
+        mirror: Upload committed steps to this fsspec URL in the background (a
+            :class:`MirrorOptions`, or just its URL). Retention applies to each tier separately.
 
     NOTE: retention deletes whole step directories, and only committed steps older than the
     newest commit. The tracker targets and steps still being saved are never deleted.
@@ -76,6 +155,7 @@ class MonitorOptions(BaseModel):
     max_state_dict_to_keep: int | None = 2
     keep_every_n_steps: int | None = None
     leftover_grace_s: float = Field(default=600.0)
+    mirror: MirrorOptions | None = None
 
     @field_validator("step_dir_template")
     @classmethod
@@ -87,20 +167,17 @@ class MonitorOptions(BaseModel):
     @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
     @classmethod
     def _keep(cls, v: int | None, info) -> int | None:
-        if v is not None and v < 2:
-            raise ValueError(
-                f"{info.field_name} must be >= 2, or None to keep all, got {v}. Keeping only one "
-                "would delete the previous step while a reader (a resuming job, a rollout worker) "
-                "may still be loading it"
-            )
-        return v
+        return _check_keep(v, info.field_name)
 
     @field_validator("keep_every_n_steps")
     @classmethod
     def _every(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"keep_every_n_steps must be >= 1, or None, got {v}")
-        return v
+        return _check_every(v)
+
+    @field_validator("mirror", mode="before")
+    @classmethod
+    def _mirror(cls, v: Any) -> Any:
+        return {"url": v} if isinstance(v, str) else v
 
     @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s")
     @classmethod

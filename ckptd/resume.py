@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
-from ckptd.errors import CheckpointConfigError
+from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.storage import Storage
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
@@ -62,6 +62,8 @@ def resume(
     restore_rng: bool = True,
     adapter_name: str = "default",
     storage_options: dict | None = None,
+    mirror: str | None = None,
+    mirror_storage_options: dict | None = None,
 ) -> ResumeState | None:
     """Restore everything given from the newest committed full checkpoint under ``root``.
 
@@ -85,24 +87,29 @@ def resume(
         restore_rng: Restore python, numpy, torch (and CUDA) random generators of this rank.
         adapter_name: The adapter to load a LoRA checkpoint into.
         storage_options: fsspec options for ``root``.
+        mirror: The run's mirror tier (``start_monitor(mirror=...)``). The newer of the two
+            tiers' newest checkpoints is used, so a job restarted on a fresh node, whose local
+            root is empty or missing, resumes from the mirror. If the mirror cannot be reached,
+            the local root is used when it has a checkpoint.
+        mirror_storage_options: fsspec options for ``mirror``.
 
     Returns:
-        Where to continue, or None if ``root`` has no committed full checkpoint (a fresh start).
+        Where to continue, or None if neither tier has a committed full checkpoint (a fresh
+        start).
 
     Raises:
         CorruptCheckpointError: a file differs from its manifest, or is missing.
         UnsafeCheckpointError: a file needs arbitrary objects unpickled.
         CheckpointConfigError: the checkpoint lacks what was asked for, the model's keys do not
             match, or the world size changed under per-rank state.
-        CheckpointError: ``step`` is not committed.
+        CheckpointError: ``step`` is not committed (on either tier, with a mirror).
     """
     check_step(rank, "rank")
     if step is not None:
         check_step(step, "step")
-    storage = Storage(root, storage_options)
-    committed = open_step(storage, step, Kind.CHECKPOINT)
+    storage, committed = _choose_tier(Storage(root, storage_options), step, mirror, mirror_storage_options)
     if committed is None:
-        log.info("no committed checkpoint under %s: starting fresh", storage.url)
+        log.info("no committed checkpoint under %s%s: starting fresh", root, f" or {mirror}" if mirror else "")
         return None
     prefix = state_dir.strip("/") + "/" if state_dir.strip("/") else ""
     running = None
@@ -151,6 +158,32 @@ def resume(
         epoch, in_epoch, start = running.epoch, running.step_in_epoch, running.sample_start_index
     return ResumeState(step=committed.step, epoch=epoch, step_in_epoch=in_epoch, sample_start_index=start,
                        consumed_samples=running.consumed_samples, path=url, running=running)
+
+
+def _choose_tier(local: Storage, step: int | None, mirror: str | None,
+                 mirror_options: dict | None) -> tuple[Storage, CommittedStep | None]:
+    """The tier to resume from, and its step: the local root's, unless the mirror's is newer."""
+    try:
+        here = open_step(local, step, Kind.CHECKPOINT)
+    except CheckpointError:  # the requested step is not committed locally
+        if mirror is None:
+            raise
+        here = None
+    if mirror is None:
+        return local, here
+    remote = Storage(mirror, mirror_options)
+    try:
+        there = open_step(remote, step, Kind.CHECKPOINT)
+    except (CheckpointError, OSError) as e:
+        if here is None:
+            raise
+        log.warning("resuming from the local root: the mirror %s has no usable checkpoint (%s)", remote.url, e)
+        there = None
+    if there is not None and (here is None or there.step > here.step):
+        log.info("resuming from the mirror %s: its step %d is newer than the local root's %s", remote.url,
+                 there.step, None if here is None else here.step)
+        return remote, there
+    return local, here
 
 
 def _load(storage: Storage, committed: CommittedStep, rel: str, what: str) -> Any:

@@ -34,6 +34,7 @@ from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.monitor import journal
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.monitor.service import actor_name
+from ckptd.monitor.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.threads import lower_priority
 from ckptd.units import StepDirTemplate, UnitId, check_count, check_name, check_step
@@ -101,6 +102,12 @@ class CheckpointCoordinator:
             at most this many copies of the state, allocated once and reused.
         notify_timeout_s: How long notifications are retried while the monitor is unreachable.
 
+    Raises:
+        CheckpointConfigError: bad arguments, or this process does not see the same storage
+            under the root as the monitor (a local path on a multi-node cluster): the message
+            names this node. The check writes a probe file under ``root/.ckptd/probes`` and
+            the monitor reads it back.
+
     NOTE: a save function runs while training goes on. If it reads tensors that the optimizer
     changes in place, copy them first (``{k: v.clone() for k, v in sd.items()}``), or the
     checkpoint mixes two steps.
@@ -146,7 +153,24 @@ class CheckpointCoordinator:
         self._held: dict[str, tuple[str, str, str]] = {}
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
+        self._check_shared_root()
         _live.add(self)
+
+    def _check_shared_root(self) -> None:
+        writer = f"worker {self._worker!r} on {where_am_i()}"
+        try:
+            probe = write_probe(self._storage, writer)
+        except OSError as e:
+            raise CheckpointConfigError(
+                f"worker {self._worker!r} cannot write under the checkpoint root {self._storage.url!r} "
+                f"({type(e).__name__}: {e}); every worker needs write access to the root"
+            ) from e
+        try:
+            result = self._call("check_shared_root", probe.rel, probe.token, writer)
+        finally:
+            remove_probe(self._storage, probe)
+        if result["error"] is not None:
+            raise CheckpointConfigError(result["error"])
 
     @property
     def worker_id(self) -> str:
@@ -423,6 +447,22 @@ class CheckpointCoordinator:
             raise CheckpointError(result["cause"])
         raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])
 
+    def wait_mirrored(self, global_step: int, timeout_s: float | None = None) -> None:
+        """Block until step ``global_step`` is committed on the monitor's mirror (before a job
+        ends, say, so the last checkpoint is not only on a node's local disk).
+
+        Raises:
+            TimeoutError: not mirrored within ``timeout_s``; the upload may still be retrying
+                (``monitor.status.remote().mirror`` says why).
+            CheckpointError: the monitor has no mirror, or the step cannot be mirrored.
+        """
+        result = self._call("wait_mirrored", check_step(global_step), timeout_s)
+        if result["mirrored"]:
+            return
+        if result["error"] is None:
+            raise TimeoutError(f"step {global_step} not mirrored within {timeout_s} s")
+        raise CheckpointError(result["error"])
+
     @staticmethod
     def _registration(step: int, is_state_dict: bool, sd_count: int, ckpt_count: int) -> tuple:
         step = check_step(step)
@@ -477,6 +517,11 @@ class CheckpointCoordinator:
 
     def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
         started_ns = time.time_ns()
+        listed_before = None
+        if not self._storage.is_posix:
+            # Object stores: which files are new is found by comparing listings (see discover_files).
+            name = find_step_dir(self._storage, unit.step, self._template)
+            listed_before = {} if name is None else self._storage.walk_files(self._storage.join(name))
         returned = save_fn()
         if returned is not None:
             if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
@@ -490,7 +535,7 @@ class CheckpointCoordinator:
             return []
         if returned is not None:
             return describe_returned_files(self._storage, step_path, returned)
-        return discover_files(self._storage, step_path, started_ns)
+        return discover_files(self._storage, step_path, started_ns, listed_before)
 
     def _step_path(self, step: int, returned: list | None) -> str | None:
         if returned and self._template.needs_epoch:

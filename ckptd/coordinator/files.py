@@ -7,25 +7,32 @@ from collections.abc import Iterable
 
 from ckptd.errors import CheckpointConfigError
 from ckptd.manifest import FileEntry, WrittenFile, crc32_file, is_internal
-from ckptd.storage import Storage
+from ckptd.storage import FileStat, Storage
 
 # File timestamps come from the kernel's coarse clock, which can lag time.time_ns() by a tick
 # (up to 10 ms): look this much further back so a unit's first file is never missed.
 _MTIME_SLACK_NS = 20_000_000
 
 
-def discover_files(storage: Storage, step_path: str, started_ns: int) -> list[FileEntry]:
-    """Checksum the files in ``step_path`` that appeared or changed since ``started_ns``.
+def discover_files(
+    storage: Storage, step_path: str, started_ns: int, listed_before: dict[str, FileStat] | None = None
+) -> list[FileEntry]:
+    """Checksum the files in ``step_path`` that appeared or changed while the unit ran.
+
+    On POSIX that is every file modified since ``started_ns``. Object stores keep timestamps to
+    the second, from the server's clock, so there it is every file that is not in
+    ``listed_before`` (the step directory as listed before the unit ran) or differs from it.
 
     The unit's own save_fn has returned, so its files are complete. A file still changing while
     it is read belongs to another unit that is writing into the same step directory, and is
     left to that unit.
     """
-    before = {
-        rel: st
-        for rel, st in storage.walk_files(step_path).items()
-        if not is_internal(rel) and (st.mtime_ns is None or st.mtime_ns >= started_ns - _MTIME_SLACK_NS)
-    }
+    def changed(rel: str, st: FileStat) -> bool:
+        if listed_before is not None:
+            return listed_before.get(rel) != st
+        return st.mtime_ns is None or st.mtime_ns >= started_ns - _MTIME_SLACK_NS
+
+    before = {rel: st for rel, st in storage.walk_files(step_path).items() if not is_internal(rel) and changed(rel, st)}
     entries = []
     for rel, st in sorted(before.items()):
         path = f"{step_path}/{rel}"
@@ -42,8 +49,16 @@ def discover_files(storage: Storage, step_path: str, started_ns: int) -> list[Fi
 
 
 def _absolute(storage: Storage, p: str) -> str | None:
-    """The storage path of an absolute path or URL; None for a relative path."""
-    return storage.fs._strip_protocol(p) if "://" in p or p.startswith("/") else None
+    """The storage path of an absolute path or URL; None for a path relative to the step.
+
+    Object stores' own paths have no leading slash (``bucket/run/...``): those under the root
+    count as absolute too, which is what ckptd's writers return there.
+    """
+    if "://" in p or p.startswith("/"):
+        return storage.fs._strip_protocol(p)
+    if not storage.is_posix and p.startswith(storage.root.rstrip("/") + "/"):
+        return p
+    return None
 
 
 def step_path_of(storage: Storage, returned: list) -> str | None:

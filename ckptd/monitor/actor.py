@@ -25,8 +25,17 @@ from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, read_tracker, recor
 from ckptd.manifest import FileEntry, build_manifest, merge_unit_files
 from ckptd.monitor import journal
 from ckptd.monitor.ledger import StepLedger, StepRecord, StepState, UnitFailure
+from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.retention import PassResult, RetentionPolicy, plan_retention, run_plan
-from ckptd.monitor.status import MonitorStatus, RetentionStatus, StepStatus, Trackers, WriterSlotsStatus
+from ckptd.monitor.shared_root import probe_visible, unshared_message, where_am_i
+from ckptd.monitor.status import (
+    MonitorStatus,
+    RetentionStatus,
+    StepStatus,
+    StorageStatus,
+    Trackers,
+    WriterSlotsStatus,
+)
 from ckptd.monitor.throttle import SlotRequest, WriterSlots
 from ckptd.storage import Storage
 from ckptd.units import StepDirTemplate, UnitId, check_count, check_step
@@ -48,7 +57,8 @@ class CheckpointMonitor:
     :class:`ckptd.CheckpointCoordinator`, except for :meth:`status` and :meth:`wait_committed`.
     """
 
-    def __init__(self, root: str, run: str, storage_options: dict | None, options: dict) -> None:
+    def __init__(self, root: str, run: str, storage_options: dict | None, options: dict,
+                 mirror_storage_options: dict | None = None) -> None:
         self._opts = MonitorOptions.parse(options)
         self._root_url = root
         self._run = run
@@ -73,8 +83,16 @@ class CheckpointMonitor:
         self._retention_deleted: list[int] = []
         self._retention_errors: list[str] = []
         self._notifications = 0  # requests from coordinators, for throughput figures
+        self._where = where_am_i()
+        self._probes_checked = 0
+        self._unshared: list[str] = []  # processes that do not see this monitor's root
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
         ready = self._rebuild()
+        self._mirror: Mirror | None = None
+        if self._opts.mirror is not None:
+            self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
+                                  self._opts.mirror, self._template, self._committed_at_start, self._schedule_retention)
+            self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
         for rec in ready:
             self._spawn(self._commit(rec))
@@ -89,7 +107,9 @@ class CheckpointMonitor:
         """
         now = time.time()
         newest: dict[Kind, int] = {}
-        for step, entry in scan_steps(self._storage, self._template).items():
+        scanned = scan_steps(self._storage, self._template)
+        self._committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
+        for step, entry in scanned.items():
             for kind in entry.kinds:
                 self._ledger.mark_committed(step, kind, now)
                 newest[kind] = max(newest.get(kind, -1), step)
@@ -149,6 +169,22 @@ class CheckpointMonitor:
             "slot_lease_s": self._opts.slot_lease_s,
             "options": self._opts.model_dump(mode="json"),
         }
+
+    async def check_shared_root(self, rel: str, token: str, writer: str) -> dict:
+        """Read back a probe file that ``writer`` wrote under the root (see
+        :mod:`ckptd.monitor.shared_root`). Returns ``{"error": None}`` or ``{"error": message}``."""
+        self._probes_checked += 1
+        try:
+            visible = await self._in_thread(probe_visible, self._storage, rel, token)
+        except OSError as e:
+            visible = False
+            log.warning("could not read the probe of %s: %s", writer, e)
+        if visible:
+            return {"error": None}
+        message = unshared_message(self._storage.url, writer, self._where)
+        log.error("%s", message)
+        self._unshared = (self._unshared + [writer])[-_HISTORY:]
+        return {"error": message}
 
     async def register(self, step: int, counts: dict[str, int], monitored: str) -> dict:
         """Register how many units each kind of ``step`` expects.
@@ -268,6 +304,9 @@ class CheckpointMonitor:
                                       deleted_steps=list(self._retention_deleted),
                                       errors=list(self._retention_errors)),
             notifications=self._notifications,
+            storage=StorageStatus(commit_strategy=self._storage.commit.name, monitor=self._where,
+                                  probes_checked=self._probes_checked, unshared=list(self._unshared)),
+            mirror=None if self._mirror is None else self._mirror.status(),
             started_at=self._started_at,
         )
 
@@ -297,6 +336,22 @@ class CheckpointMonitor:
         if failure is not None:
             return {"committed": False, "unit": failure[0], "cause": failure[1]}
         return {"committed": True, "unit": None, "cause": None}
+
+    async def wait_mirrored(self, step: int, timeout_s: float | None = None) -> dict:
+        """Wait until ``step`` is committed on the mirror.
+
+        Returns ``{"mirrored": bool, "error": str | None}``: ``error`` is None when the wait
+        timed out, and says why otherwise (no mirror configured, or a local copy that cannot be
+        uploaded).
+        """
+        if self._mirror is None:
+            return {"mirrored": False, "error": "this monitor has no mirror; start it with mirror=URL"}
+        return await self._mirror.wait(step, timeout_s)
+
+    async def retry_mirror(self) -> None:
+        """Try failed uploads to the mirror again now, instead of after ``retry_after_s``."""
+        if self._mirror is not None:
+            self._mirror.retry_now()
 
     # -- commit --------------------------------------------------------------------------------
 
@@ -351,6 +406,11 @@ class CheckpointMonitor:
         if event is not None:
             event.set()
         self._ledger.prune(self._opts.status_history)
+        if self._mirror is not None and (self._mirror.mirrors(rec.kind)
+                                         or self._ledger.is_committed(rec.step, Kind.CHECKPOINT)):
+            # Before retention runs: the step is protected until mirrored. A state dict committed
+            # after its step's checkpoint goes up too: readers of the step see both manifests.
+            self._mirror.enqueue(rec.step)
         # Best-effort clean-up: leftovers of a committed step are ignored by every reader and
         # removed again at the next start-up, so a failure here is only logged.
         self._io.submit(self._cleanup, rec.step, rec.kind)
@@ -413,9 +473,15 @@ class CheckpointMonitor:
     # -- retention -----------------------------------------------------------------------------
 
     async def wait_retention(self, timeout_s: float | None = None) -> bool:
-        """Wait until no retention pass is running or due; False if ``timeout_s`` ran out first."""
+        """Wait until no retention pass is running or due, on the root and on the mirror; False if
+        ``timeout_s`` ran out first."""
+        async def idle() -> None:
+            await self._retention_idle.wait()
+            if self._mirror is not None:
+                await self._mirror.retention_idle.wait()
+
         try:
-            await asyncio.wait_for(self._retention_idle.wait(), timeout_s)
+            await asyncio.wait_for(idle(), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
@@ -437,6 +503,8 @@ class CheckpointMonitor:
                 # written (so not idle), and is left alone either way.
                 in_flight = self._ledger.in_flight_steps()
                 protected = in_flight | {s for s in self._trackers.values() if s is not None}
+                if self._mirror is not None:
+                    protected |= self._mirror.protected()
                 failed = self._ledger.failed_steps() - in_flight
                 try:
                     result = await self._in_thread(self._retention_pass, protected, failed)

@@ -10,6 +10,7 @@ from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.layout import record_template
 from ckptd.monitor.actor import monitor_actor_class
+from ckptd.monitor.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.units import StepDirTemplate, check_name
 
@@ -24,6 +25,7 @@ def start_monitor(
     run: str = "default",
     namespace: str | None = None,
     storage_options: dict | None = None,
+    mirror_storage_options: dict | None = None,
     runtime_env: dict | None = None,
     **options: Any,
 ) -> Any:
@@ -39,23 +41,28 @@ def start_monitor(
         namespace: Ray namespace of the actor; None for the job's namespace.
         storage_options: fsspec options for ``root`` (credentials, endpoint); never logged or
             shown in status.
+        mirror_storage_options: fsspec options for the ``mirror`` URL, likewise.
         runtime_env: Ray runtime environment for the actor process (env vars, for instance).
         **options: :class:`ckptd.config.MonitorOptions` fields, e.g. ``save_strategy``,
-            ``step_timeout_s``, ``detached``.
+            ``step_timeout_s``, ``detached``, ``mirror="s3://bucket/run"``.
 
     Returns:
         The actor handle, to pass to :class:`ckptd.CheckpointCoordinator`.
 
     Raises:
-        CheckpointConfigError: unknown or invalid options, a root that cannot be written, or an
-            existing monitor of this run with another root or other options. Nothing is written
-            in these cases except the removed write probe.
+        CheckpointConfigError: unknown or invalid options, a root that cannot be written, a
+            root the monitor's process does not see as this process does (``memory://``, or a
+            local path on another node), or an existing monitor of this run with another root or
+            other options. Nothing is written in these cases except the removed probe files.
     """
     check_name(run, "run")
     opts = MonitorOptions.parse(options)
     storage = Storage(root, storage_options)
     storage.check_writable()
-    record_template(storage, StepDirTemplate(opts.step_dir_template))
+    template = StepDirTemplate(opts.step_dir_template)
+    if opts.mirror is not None:
+        _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template)
+    record_template(storage, template)
     root_url = root if "://" in root else storage.root
     actor_options: dict[str, Any] = {
         "name": actor_name(run),
@@ -70,8 +77,13 @@ def start_monitor(
         actor_options["lifetime"] = "detached"
     if runtime_env:
         actor_options["runtime_env"] = runtime_env
+    try:
+        ray.get_actor(actor_name(run), namespace=namespace)
+        created = False
+    except ValueError:
+        created = True
     handle = monitor_actor_class().options(**actor_options).remote(
-        root_url, run, storage_options, opts.model_dump(mode="json")
+        root_url, run, storage_options, opts.model_dump(mode="json"), mirror_storage_options
     )
     existing = ray.get(handle.worker_config.remote())
     wanted = opts.model_dump(mode="json")
@@ -81,7 +93,28 @@ def start_monitor(
             f"and options {existing['options']}; this call asked for root {root_url!r} and "
             f"options {wanted}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
         )
+    probe = write_probe(storage, f"the driver on {where_am_i()}")
+    try:
+        result = ray.get(handle.check_shared_root.remote(probe.rel, probe.token, probe.writer))
+    finally:
+        remove_probe(storage, probe)
+    if result["error"] is not None:
+        if created:
+            ray.kill(handle, no_restart=True)
+        raise CheckpointConfigError(result["error"])
     return handle
+
+
+def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate) -> None:
+    """Refuse a mirror that is the root, lies inside it or holds it, or cannot be written."""
+    a, b = local.url.rstrip("/") + "/", mirror.url.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        raise CheckpointConfigError(
+            f"the mirror {mirror.url!r} overlaps the checkpoint root {local.url!r}; the mirror must be "
+            "separate storage (for example s3://bucket/run for a local root)"
+        )
+    mirror.check_writable()
+    record_template(mirror, template)  # raises if the mirror already names its steps otherwise
 
 
 def get_monitor(run: str = "default", namespace: str | None = None) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind, SaveStrategy
@@ -62,6 +64,61 @@ class RetentionStatus(BaseModel):
     errors: list[str]
 
 
+class StorageStatus(BaseModel):
+    """How the monitor reaches the root, and the shared-root checks it made."""
+
+    model_config = ConfigDict(frozen=True)
+
+    commit_strategy: str
+    monitor: str
+    probes_checked: int
+    unshared: list[str]
+
+
+class MirrorState(str, Enum):
+    """Where one step's upload to the mirror stands."""
+
+    QUEUED = "queued"
+    UPLOADING = "uploading"
+    MIRRORED = "mirrored"
+    FAILED = "failed"  # tried again after retry_after_s, or at monitor.retry_mirror()
+    ABANDONED = "abandoned"  # the local copy does not match its manifest: never uploaded
+
+
+class MirrorStepStatus(BaseModel):
+    """One step's upload to the mirror."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    state: MirrorState
+    attempts: int
+    error: str | None
+    bytes: int
+    queued_at: float
+    finished_at: float | None
+
+
+class MirrorStatus(BaseModel):
+    """The mirror tier: what is on it, what is waiting, and what went wrong."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    trackers: Trackers
+    queued: list[int]
+    uploading: int | None
+    steps: list[MirrorStepStatus]
+    retried_requests: int
+    uploaded_bytes: int
+    start_error: str | None
+    deleted_steps: list[int]
+    retention_errors: list[str]
+
+    def step(self, step: int) -> MirrorStepStatus | None:
+        return next((s for s in self.steps if s.step == step), None)
+
+
 class MonitorStatus(BaseModel):
     """The monitor's view of the run. Storage credentials are never included."""
 
@@ -74,6 +131,8 @@ class MonitorStatus(BaseModel):
     writers: WriterSlotsStatus
     retention: RetentionStatus
     notifications: int
+    storage: StorageStatus
+    mirror: MirrorStatus | None
     started_at: float
 
     def step(self, step: int, kind: str | Kind = Kind.CHECKPOINT) -> StepStatus | None:

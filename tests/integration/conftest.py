@@ -11,13 +11,19 @@ import ckptd
 _runs = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A real local Ray instance per test module."""
+def start_ray(runtime_env: dict | None = None) -> None:
+    """A real local Ray instance whose workers can import the tests package."""
     # Ray's worker processes inherit this environment: let them import tests.integration.helpers.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env=runtime_env)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray instance per test module."""
+    start_ray()
     yield
     ray.shutdown()
 

@@ -103,3 +103,55 @@ def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@ray.remote(num_cpus=0)
+class StateSaver:
+    """A training-worker stand-in that saves through ckptd's own writers, on any storage."""
+
+    def __init__(self, run: str, worker_id: str | None = None) -> None:
+        monitor = ckptd.get_monitor(run)
+        cfg = ray.get(monitor.worker_config.remote())
+        self.root, self.options = cfg["root"], cfg["storage_options"]
+        try:
+            self.coord = ckptd.CheckpointCoordinator(monitor, worker_id=worker_id)
+            self.error = None
+        except ckptd.CheckpointConfigError as e:
+            self.coord, self.error = None, str(e)
+
+    def init_error(self) -> str | None:
+        return self.error
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def save(self, step: int, name: str = "model", is_state_dict: bool = False) -> None:
+        """Staged save of weights that depend on the step, with the default safetensors writer."""
+        self.coord.save_state_async(name, weights(step), step, is_state_dict=is_state_dict)
+
+    def save_untracked(self, step: int, name: str) -> None:
+        """A save_fn that writes through fsspec and returns None: the coordinator finds its file."""
+        url = f"{self.coord.step_dir(step)}/{name}.pt"
+
+        def save_fn():
+            import fsspec
+
+            with fsspec.open(url, "wb", **self.options) as f:
+                torch.save(weights(step), f)
+
+        self.coord.save_async(name, save_fn, step)
+
+    def register(self, step: int, count: int) -> None:
+        self.coord.register(step, checkpoint_thread_count=count)
+
+    def wait_all(self) -> str | None:
+        try:
+            self.coord.wait_all()
+            return None
+        except ckptd.CheckpointSaveError as e:
+            return str(e)
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}

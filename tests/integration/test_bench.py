@@ -18,7 +18,7 @@ def test_bench_smoke_reports_every_scenario(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     scenarios = {r["scenario"] for r in result["rows"]}
-    assert scenarios == {"P1 blocked", "P2 durable", "P3 training", "P4 monitor", "P5 peak RSS"}
+    assert scenarios == {"P1 blocked", "P2 durable", "P3 training", "P4 monitor", "P5 peak RSS", "P6 mirror"}
     assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
     assert set(result["targets"]) == {
         "P1 eager blocked / memcpy", "P1 fenced blocked / memcpy", "P2 ckptd durable / safetensors+fsync",

@@ -1,0 +1,388 @@
+"""The mirror tier: committed steps copied in the background to durable remote storage.
+
+Training writes to a fast local root; once a step is committed there, the monitor uploads it to
+the mirror (any fsspec URL), one step at a time and oldest first, a bounded number of files at
+once. Each file is streamed from the local copy, checked against the local manifest on the way,
+and verified on the mirror (size, and by default a CRC-32 read back). Only when every file is
+verified does the mirror get the step's manifest and then its own tracker, so the mirror is a
+checkpoint root like any other: ``ckptd.latest_step``, ``verify`` and ``resume`` read it as is,
+and a step there is committed exactly when its manifest exists.
+
+Failures: each request is retried with exponential backoff up to ``retries`` times; an upload
+that still fails is shown in status, never gets a manifest, and is tried again after
+``retry_after_s`` (or at once with ``monitor.retry_mirror``). A step stays protected from local
+retention until it is mirrored, so nothing is lost while the mirror is unreachable. A local copy
+that does not match its manifest is never uploaded.
+
+Upload runs in the monitor's process, in its own threads at low priority: notifications and
+commits never wait for it, and training never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from ckptd import failpoints
+from ckptd.config import Kind, MirrorOptions
+from ckptd.errors import CheckpointError
+from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, find_step_dir, is_committed, read_tracker, scan_steps
+from ckptd.manifest import FileEntry, Manifest, crc32_file
+from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
+from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
+from ckptd.storage import Storage
+from ckptd.threads import lower_priority
+from ckptd.units import StepDirTemplate
+from ckptd.workers.files import load_json, mismatch
+
+log = logging.getLogger("ckptd.mirror")
+
+_CHUNK = 8 << 20
+_MAX_BACKOFF_S = 30.0
+_HISTORY = 100
+
+
+class LocalCopyError(CheckpointError):
+    """The local copy of a step cannot be uploaded: a file is gone or differs from its manifest."""
+
+
+@dataclass
+class _Upload:
+    step: int
+    state: MirrorState = MirrorState.QUEUED
+    attempts: int = 0
+    error: str | None = None
+    bytes: int = 0
+    queued_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    def to_status(self) -> MirrorStepStatus:
+        return MirrorStepStatus(step=self.step, state=self.state, attempts=self.attempts, error=self.error,
+                                bytes=self.bytes, queued_at=self.queued_at, finished_at=self.finished_at)
+
+
+class Mirror:
+    """Uploads a monitor's committed steps to its mirror. Lives on the monitor's event loop.
+
+    Args:
+        local: The monitor's root.
+        remote: The mirror.
+        opts: The mirror's options.
+        template: The run's step directory template (the mirror uses the same names).
+        local_committed: The local root's committed steps when the monitor started: protected
+            from local retention until the mirror's state is known.
+        on_change: Called on the event loop when a step was mirrored (local retention may now
+            delete it) or the start-up scan finished.
+    """
+
+    def __init__(self, local: Storage, remote: Storage, opts: MirrorOptions, template: StepDirTemplate,
+                 local_committed: dict[int, frozenset[Kind]], on_change: Callable[[], None]) -> None:
+        self._local = local
+        self.remote = remote
+        self._opts = opts
+        self._template = template
+        self._on_change = on_change
+        self._kinds = frozenset({Kind.CHECKPOINT, Kind.STATE_DICT} if opts.state_dicts else {Kind.CHECKPOINT})
+        # Without state dicts on the mirror, every step there is a full checkpoint.
+        keep_sd = opts.max_state_dict_to_keep if opts.state_dicts else opts.max_ckpt_to_keep
+        self._policy = RetentionPolicy(opts.max_ckpt_to_keep, keep_sd, opts.keep_every_n_steps)
+        self._pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="ckptd-mirror", initializer=lower_priority)
+        self._uploads: dict[int, _Upload] = {}
+        self._queue: set[int] = set()
+        self._again: set[int] = set()  # enqueued again while uploading (another kind committed)
+        self._current: int | None = None
+        self._retry_at: dict[int, float] = {}
+        self._events: dict[int, asyncio.Event] = {}
+        self._wake = asyncio.Event()
+        self._ready = False
+        self._startup_protected = {s for s, kinds in local_committed.items() if kinds & self._kinds}
+        self._trackers: dict[Kind, int | None] = dict.fromkeys(Kind)
+        self._lock = threading.Lock()
+        self._retried = 0
+        self._uploaded_bytes = 0
+        self._start_error: str | None = None
+        self.retention_idle = asyncio.Event()  # no retention pass on the mirror running or due
+        self.retention_idle.set()
+        self._deleted: list[int] = []
+        self._retention_errors: list[str] = []
+
+    # -- what the monitor asks -----------------------------------------------------------------
+
+    def mirrors(self, kind: Kind) -> bool:
+        return kind in self._kinds
+
+    def enqueue(self, step: int) -> None:
+        """Upload ``step`` (just committed locally) when its turn comes."""
+        if step == self._current:
+            self._again.add(step)
+            return
+        rec = self._uploads.get(step)
+        if rec is None or rec.state != MirrorState.UPLOADING:
+            self._uploads[step] = _Upload(step, attempts=rec.attempts if rec else 0)
+        self._queue.add(step)
+        self._retry_at.pop(step, None)
+        self._wake.set()
+
+    def retry_now(self) -> None:
+        """Try failed uploads again now instead of after ``retry_after_s``."""
+        self._retry_at.clear()
+        self._wake.set()
+
+    def protected(self) -> set[int]:
+        """Steps local retention must keep: not yet mirrored."""
+        out = self._queue | self._startup_protected
+        if self._current is not None:
+            out.add(self._current)
+        return out
+
+    async def wait(self, step: int, timeout_s: float | None) -> dict:
+        """Wait until ``step`` is on the mirror. ``{"mirrored": bool, "error": str | None}``;
+        ``error`` is None on a timeout, and says why when the step will never be mirrored."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            rec = self._uploads.get(step)
+            if rec is not None and rec.state == MirrorState.MIRRORED and step not in self._queue:
+                return {"mirrored": True, "error": None}
+            if rec is not None and rec.state == MirrorState.ABANDONED:
+                return {"mirrored": False, "error": rec.error}
+            if rec is None and self._ready and step not in self._queue:
+                kind = min(self._kinds, key=lambda k: k.value)  # checkpoint, unless only state dicts
+                if await self._io(is_committed, self.remote, step, kind):  # mirrored by an earlier monitor
+                    return {"mirrored": True, "error": None}
+            event = self._events.setdefault(step, asyncio.Event())
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return {"mirrored": False, "error": None}
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except asyncio.TimeoutError:
+                return {"mirrored": False, "error": None}
+
+    def status(self) -> MirrorStatus:
+        with self._lock:
+            retried, uploaded = self._retried, self._uploaded_bytes
+        recent = sorted(self._uploads.values(), key=lambda r: r.step)[-_HISTORY:]
+        return MirrorStatus(
+            url=self.remote.url,
+            trackers=Trackers(checkpoint=self._trackers[Kind.CHECKPOINT], state_dict=self._trackers[Kind.STATE_DICT]),
+            queued=sorted(self._queue), uploading=self._current, steps=[r.to_status() for r in recent],
+            retried_requests=retried, uploaded_bytes=uploaded, start_error=self._start_error,
+            deleted_steps=list(self._deleted), retention_errors=list(self._retention_errors),
+        )
+
+    # -- the upload loop -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read the mirror's state, queue what it lacks, then upload steps as they come."""
+        delay = self._opts.retry_backoff_s
+        while True:
+            try:
+                self._trackers = await self._io(self._read_remote_trackers)
+                break
+            except Exception as e:  # the mirror is unreachable: keep the local steps, try again
+                self._start_error = f"{type(e).__name__}: {e}"
+                log.warning("cannot read the mirror %s (%s); retrying", self.remote.url, self._start_error)
+                await asyncio.sleep(min(delay, _MAX_BACKOFF_S))
+                delay *= 2
+        self._start_error = None
+        newest = max((s for s in self._trackers.values() if s is not None), default=-1)
+        for step in sorted(self._startup_protected):
+            if step > newest:  # older ones were mirrored, or retention there dropped them
+                self.enqueue(step)
+        self._startup_protected = set()
+        self._ready = True
+        self._on_change()
+        while True:
+            step = self._next_due()
+            if step is None:
+                self._wake.clear()
+                due = min(self._retry_at.values(), default=None)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - time.monotonic()))
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._upload(step)
+
+    def _next_due(self) -> int | None:
+        now = time.monotonic()
+        due = [s for s in self._queue if self._retry_at.get(s, 0.0) <= now]
+        return min(due, default=None)
+
+    async def _upload(self, step: int) -> None:
+        rec = self._uploads.setdefault(step, _Upload(step))
+        rec.state, rec.error, rec.bytes = MirrorState.UPLOADING, None, 0
+        rec.attempts += 1
+        self._current = step
+        self._queue.discard(step)
+        try:
+            name, manifests, files = await self._io(self._read_local, step)
+            results = await asyncio.gather(
+                *(self._io(self._copy_file, name, rel, entry, rec) for rel, entry in sorted(files.items())),
+                return_exceptions=True,
+            )  # every copy has ended before the next attempt could start on the same objects
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise next((e for e in errors if isinstance(e, LocalCopyError)), errors[0])
+            await self._io(failpoints.hit, "before_mirror_manifest")
+            for kind, data in manifests.items():  # the manifest makes the step committed on the mirror
+                await self._io(self._retrying, f"manifest of step {step}", self.remote.write_atomic,
+                               self.remote.join(name, MANIFESTS[kind]), data)
+            await self._advance_trackers(step, set(manifests))
+        except LocalCopyError as e:
+            rec.state, rec.error = MirrorState.ABANDONED, f"not mirrored: {e}"
+            log.error("step %d: %s", step, rec.error)
+            self._release_waiters(step)
+        except Exception as e:
+            rec.state, rec.error = MirrorState.FAILED, f"{type(e).__name__}: {e}"
+            self._queue.add(step)
+            self._retry_at[step] = time.monotonic() + self._opts.retry_after_s
+            log.warning("upload of step %d to %s failed (attempt %d): %s; trying again in %.0f s", step,
+                        self.remote.url, rec.attempts, rec.error, self._opts.retry_after_s)
+        else:
+            rec.state, rec.finished_at = MirrorState.MIRRORED, time.time()
+            log.info("step %d mirrored to %s (%d bytes)", step, self.remote.url, rec.bytes)
+            self._current = None
+            if step in self._again:  # another manifest of the step committed meanwhile: go again
+                self._again.discard(step)
+                self.enqueue(step)
+            self._on_change()  # local retention may delete it now; scheduled before waiters wake
+            self.retention_idle.clear()
+            if step not in self._queue:
+                self._release_waiters(step)
+            try:
+                await self._remote_retention()
+            finally:
+                self.retention_idle.set()
+        finally:
+            self._current = None
+            if step in self._again:
+                self._again.discard(step)
+                self.enqueue(step)
+
+    def _release_waiters(self, step: int) -> None:
+        event = self._events.pop(step, None)
+        if event is not None:
+            event.set()
+
+    async def _advance_trackers(self, step: int, kinds: set[Kind]) -> None:
+        # As on the local root: a full checkpoint holds the weights, so it advances both.
+        advance = {Kind.CHECKPOINT, Kind.STATE_DICT} if Kind.CHECKPOINT in kinds else {Kind.STATE_DICT}
+        for kind in sorted(advance, key=lambda k: k.value):
+            current = self._trackers[kind]
+            if current is not None and step <= current:
+                continue
+            await self._io(self._retrying, f"{kind.value} tracker", self.remote.write_atomic,
+                           self.remote.join(TRACKERS[kind]), f"{step}\n".encode())
+            self._trackers[kind] = step
+
+    async def _io(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
+
+    # -- in the mirror's threads ---------------------------------------------------------------
+
+    def _read_remote_trackers(self) -> dict[Kind, int | None]:
+        out: dict[Kind, int | None] = {}
+        for kind in Kind:
+            tracked = read_tracker(self.remote, kind)
+            if tracked is not None and is_committed(self.remote, tracked, kind):
+                out[kind] = tracked
+            else:
+                steps = committed_steps(self.remote, kind)
+                out[kind] = steps[-1] if steps else None
+        return out
+
+    def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
+        name = find_step_dir(self._local, step, self._template)
+        manifests: dict[Kind, bytes] = {}
+        files: dict[str, FileEntry] = {}
+        # Every manifest of the step, not only the mirrored kinds': a pipeline may list a step's
+        # weights under its state-dict manifest and the rest under the checkpoint one. State dict
+        # first, so that a reader of the mirror never sees the checkpoint without its weights.
+        for kind in (Kind.STATE_DICT, Kind.CHECKPOINT):
+            if name is None:
+                break
+            path = self._local.join(name, MANIFESTS[kind])
+            data = self._local.read_text_or_none(path)
+            if data is None:
+                continue
+            manifest = Manifest.model_validate(load_json(data.encode(), path))
+            manifests[kind] = data.encode()
+            files.update({f.path: f for f in manifest.files})
+        if not set(manifests) & self._kinds:
+            raise LocalCopyError(f"step {step} is no longer committed under {self._local.url}")
+        return name, manifests, files
+
+    def _copy_file(self, name: str, rel: str, entry: FileEntry, rec: _Upload) -> None:
+        src, dst = self._local.join(name, rel), self.remote.join(name, rel)
+        self._retrying(f"upload of {name}/{rel}", self._copy_once, src, dst, entry)
+        failpoints.hit("after_mirror_file")
+        with self._lock:
+            self._uploaded_bytes += entry.size
+            rec.bytes += entry.size
+
+    def _copy_once(self, src: str, dst: str, entry: FileEntry) -> None:
+        try:
+            fin = self._local.open(src, "rb")
+        except FileNotFoundError:
+            raise LocalCopyError(f"{src} is missing") from None
+        crc, size = 0, 0
+        with fin, self.remote.open_write(dst) as fout:
+            while chunk := fin.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+                fout.write(chunk)
+            problem = mismatch(entry, size, f"{crc:08x}")
+            if problem:  # raised inside the block: nothing is published on the mirror
+                raise LocalCopyError(f"{src}: {problem}")
+        # Verified on the mirror itself, not trusted from the upload.
+        if self._opts.verify == "checksum":
+            problem = mismatch(entry, *crc32_file(self.remote, dst))
+        else:
+            problem = mismatch(entry, self.remote.stat(dst).size, entry.crc32)
+        if problem:
+            raise OSError(f"the mirror's copy of {dst} is {problem}")
+
+    def _retrying(self, what: str, fn: Callable, *args: Any) -> Any:
+        for attempt in range(self._opts.retries + 1):
+            try:
+                return fn(*args)
+            except LocalCopyError:
+                raise
+            except Exception as e:
+                if attempt == self._opts.retries:
+                    raise
+                delay = min(self._opts.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S)
+                with self._lock:
+                    self._retried += 1
+                log.warning("%s failed (%s: %s); retry %d of %d in %.2f s", what, type(e).__name__, e,
+                            attempt + 1, self._opts.retries, delay)
+                time.sleep(delay)  # backoff between requests, in the mirror's own thread
+
+    # -- retention on the mirror ---------------------------------------------------------------
+
+    async def _remote_retention(self) -> None:
+        protected = self.protected() | {s for s in self._trackers.values() if s is not None}
+        try:
+            result = await self._io(self._retention_pass, protected)
+            self._deleted = (self._deleted + result.deleted)[-1000:]
+            self._retention_errors = result.errors
+        except Exception as e:  # best-effort: the next mirrored step runs another pass
+            log.warning("retention on the mirror failed: %s: %s", type(e).__name__, e)
+            self._retention_errors = [f"{type(e).__name__}: {e}"]
+
+    def _retention_pass(self, protected: set[int]):
+        entries = scan_steps(self.remote, self._template)
+        # The mirror's only writer is this monitor: a step directory there without a manifest
+        # that is not being uploaded is what a killed upload left, and can go at once.
+        leftovers = {s for s, e in entries.items() if not e.committed} - protected
+        plan = plan_retention(entries, self._policy, protected=protected, failed=leftovers)
+        return run_plan(self.remote, plan, grace_s=0.0)

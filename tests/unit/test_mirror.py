@@ -1,0 +1,78 @@
+"""The mirror's upload loop without Ray: a local root mirrored to memory://, on an asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from ckptd.config import Kind, MirrorOptions
+from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, read_tracker, scan_steps
+from ckptd.manifest import FileEntry, build_manifest
+from ckptd.monitor.mirror import Mirror
+from ckptd.storage import Storage
+from ckptd.units import StepDirTemplate
+from ckptd.workers.files import write_bytes
+
+TEMPLATE = StepDirTemplate("global_step_{step}")
+
+
+def commit(storage: Storage, step: int) -> None:
+    w = write_bytes(storage, storage.join(f"global_step_{step}", "weights.bin"), f"step {step}".encode() * 100)
+    manifest = build_manifest(step, Kind.CHECKPOINT, ["w/model"], [FileEntry(path="weights.bin", size=w.size,
+                                                                             crc32=w.crc32)])
+    storage.write_atomic(storage.join(f"global_step_{step}", MANIFESTS[Kind.CHECKPOINT]),
+                         manifest.model_dump_json().encode())
+    storage.write_atomic(storage.join(TRACKERS[Kind.CHECKPOINT]), f"{step}\n".encode())
+
+
+def mirror_of(local: Storage, remote: Storage, **opts) -> tuple[Mirror, list[int]]:
+    changes: list[int] = []
+    committed = {s: e.kinds for s, e in scan_steps(local, TEMPLATE).items() if e.committed}
+    m = Mirror(local, remote, MirrorOptions(url=remote.url, **opts), TEMPLATE, committed,
+               lambda: changes.append(1))
+    return m, changes
+
+
+async def run_until(mirror: Mirror, coro):
+    task = asyncio.get_running_loop().create_task(mirror.run())
+    try:
+        return await asyncio.wait_for(coro, 30)
+    finally:
+        task.cancel()
+
+
+def test_start_up_uploads_only_what_is_newer_than_the_mirror_and_protects_until_then(tmp_path):
+    local = Storage(str(tmp_path / "local"))
+    remote = Storage(f"memory://mirror-{uuid.uuid4().hex[:8]}/run")
+    for step in (1, 2, 3):
+        commit(local, step)
+    commit(remote, 1)  # an earlier monitor mirrored step 1
+    mirror, changes = mirror_of(local, remote)
+    assert mirror.protected() == {1, 2, 3}  # until the mirror's state is known
+
+    async def scenario():
+        assert (await mirror.wait(3, 30))["mirrored"]
+        assert (await mirror.wait(1, 1))["mirrored"]  # already there
+        return mirror.status()
+
+    shown = asyncio.run(run_until(mirror, scenario()))
+    assert [s.step for s in shown.steps] == [2, 3]  # step 1 was not uploaded again
+    assert committed_steps(remote, Kind.CHECKPOINT) == [1, 2, 3] and read_tracker(remote, Kind.CHECKPOINT) == 3
+    assert mirror.protected() == set() and changes
+
+
+def test_a_local_copy_that_does_not_match_its_manifest_is_never_uploaded(tmp_path):
+    local = Storage(str(tmp_path / "local"))
+    remote = Storage(f"memory://mirror-{uuid.uuid4().hex[:8]}/run")
+    commit(local, 1)
+    path = local.join("global_step_1", "weights.bin")
+    data = bytearray(local.read_bytes(path))
+    data[0] ^= 0xFF
+    local.write_atomic(path, bytes(data))  # bit rot after the commit
+    mirror, _ = mirror_of(local, remote, retries=0)
+
+    result = asyncio.run(run_until(mirror, mirror.wait(1, 30)))
+    assert not result["mirrored"] and "checksum mismatch" in result["error"]
+    assert mirror.status().step(1).state == "abandoned" and mirror.protected() == set()
+    assert remote.walk_files(remote.join("global_step_1")) == {}  # not even the data object
+    assert read_tracker(remote, Kind.CHECKPOINT) is None

@@ -35,22 +35,35 @@ class Kind(str, Enum):
         return cls.STATE_DICT if is_state_dict else cls.CHECKPOINT
 
 
-def _check_keep(v: int | None, name: str) -> int | None:
-    if v is not None and v < 2:
-        raise ValueError(
-            f"{name} must be >= 2, or None to keep all, got {v}. Keeping only one would delete the "
-            "previous step while a reader (a resuming job, a rollout worker) may still be loading it"
-        )
-    return v
+class RetentionLimits(BaseModel):
+    """How many steps one tier keeps (the root, or the mirror); see :class:`MonitorOptions`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_ckpt_to_keep: int | None = None
+    max_state_dict_to_keep: int | None = None
+    keep_every_n_steps: int | None = None
+
+    @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
+    @classmethod
+    def _keep(cls, v: int | None, info) -> int | None:
+        if v is not None and v < 2:
+            raise ValueError(
+                f"{info.field_name} must be >= 2, or None to keep all, got {v}. Keeping only one would "
+                "delete the previous step while a reader (a resuming job, a rollout worker) may still be "
+                "loading it"
+            )
+        return v
+
+    @field_validator("keep_every_n_steps")
+    @classmethod
+    def _every(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"keep_every_n_steps must be >= 1, or None, got {v}")
+        return v
 
 
-def _check_every(v: int | None) -> int | None:
-    if v is not None and v < 1:
-        raise ValueError(f"keep_every_n_steps must be >= 1, or None, got {v}")
-    return v
-
-
-class MirrorOptions(BaseModel):
+class MirrorOptions(RetentionLimits):
     """The mirror tier: committed steps uploaded in the background to durable storage.
 
     Pass ``mirror="s3://bucket/run"`` to :func:`ckptd.start_monitor`, or a dict of these fields
@@ -74,9 +87,6 @@ class MirrorOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     url: str
-    max_ckpt_to_keep: int | None = None
-    max_state_dict_to_keep: int | None = None
-    keep_every_n_steps: int | None = None
     state_dicts: bool = False
     concurrency: int = Field(default=4, ge=1, le=64)
     retries: int = Field(default=5, ge=0)
@@ -100,18 +110,8 @@ class MirrorOptions(BaseModel):
             raise ValueError("the mirror url must be a non-empty path or URL, e.g. 's3://bucket/run'")
         return v
 
-    @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
-    @classmethod
-    def _keep(cls, v: int | None, info) -> int | None:
-        return _check_keep(v, info.field_name)
 
-    @field_validator("keep_every_n_steps")
-    @classmethod
-    def _every(cls, v: int | None) -> int | None:
-        return _check_every(v)
-
-
-class MonitorOptions(BaseModel):
+class MonitorOptions(RetentionLimits):
     """Options of a CheckpointMonitor, passed as keyword arguments to :func:`ckptd.start_monitor`.
 
     Attributes:
@@ -151,9 +151,7 @@ class MonitorOptions(BaseModel):
     status_history: int = Field(default=100)
     detached: bool = False
     step_dir_template: str = "global_step_{step}"
-    max_ckpt_to_keep: int | None = None
-    max_state_dict_to_keep: int | None = 2
-    keep_every_n_steps: int | None = None
+    max_state_dict_to_keep: int | None = 2  # max_ckpt_to_keep and keep_every_n_steps: see RetentionLimits
     leftover_grace_s: float = Field(default=600.0)
     mirror: MirrorOptions | None = None
 
@@ -163,16 +161,6 @@ class MonitorOptions(BaseModel):
         from ckptd.units import StepDirTemplate  # units imports this module for Kind
 
         return StepDirTemplate(v).template
-
-    @field_validator("max_ckpt_to_keep", "max_state_dict_to_keep")
-    @classmethod
-    def _keep(cls, v: int | None, info) -> int | None:
-        return _check_keep(v, info.field_name)
-
-    @field_validator("keep_every_n_steps")
-    @classmethod
-    def _every(cls, v: int | None) -> int | None:
-        return _check_every(v)
 
     @field_validator("mirror", mode="before")
     @classmethod

@@ -60,14 +60,19 @@ class SaveWorker:
         return time.perf_counter() - t0
 
     def wait_all(self) -> str | None:
-        try:
-            self.coord.wait_all()
-            return None
-        except ckptd.CheckpointSaveError as e:
-            return str(e)
+        return wait_all(self.coord)
 
     def running_threads(self) -> list[str]:
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckptd-save-"))
+
+
+def wait_all(coord: ckptd.CheckpointCoordinator) -> str | None:
+    """coord.wait_all(), with a failed save's message returned instead of raised (across Ray)."""
+    try:
+        coord.wait_all()
+        return None
+    except ckptd.CheckpointSaveError as e:
+        return str(e)
 
 
 def failpoint_env(spec: str, once_dir=None) -> dict:
@@ -145,11 +150,7 @@ class StateSaver:
         self.coord.register(step, checkpoint_thread_count=count)
 
     def wait_all(self) -> str | None:
-        try:
-            self.coord.wait_all()
-            return None
-        except ckptd.CheckpointSaveError as e:
-            return str(e)
+        return wait_all(self.coord)
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:

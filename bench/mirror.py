@@ -8,8 +8,10 @@ bounded by that server's CPU on this machine; the ratio within one run is the us
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 
+import fsspec
 import ray
 
 import ckptd
@@ -23,10 +25,6 @@ def p6_mirror(size_mib: int, reps: int, scratch: str | None) -> list[Row]:
     except ImportError as e:
         print(f"P6 skipped: {e} (install the test extra)")
         return []
-    import tempfile
-
-    import fsspec
-
     server = S3Server().start()
     base = tempfile.mkdtemp(prefix="ckptd-bench-p6-", dir=scratch)
     if not ray.is_initialized():  # P1-P4 may have started it

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,8 +47,8 @@ def temp_name(path: str) -> str:
     return f"{head}/{TMP_PREFIX}{base}-{uuid.uuid4().hex[:12]}"
 
 
-def fsync_dir(path: str) -> None:
-    # A rename is not durable until the directory entry is, so fsync the directory too.
+def fsync_path(path: str) -> None:
+    """fsync a file, or a directory: a rename is not durable until the directory entry is."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -106,7 +107,7 @@ class PosixRename(CommitStrategy):
                 pass
             raise
         if durable:
-            fsync_dir(directory)
+            fsync_path(directory)
 
 
 class _ObjectWriter(io.RawIOBase):
@@ -150,11 +151,14 @@ class _ObjectWriter(io.RawIOBase):
 class ObjectPut(CommitStrategy):
     name = "object-put"
 
+    def _block(self) -> int:
+        """Objects that end within this many bytes are stored with one PUT (s3fs: 50 MiB)."""
+        return int(getattr(self.fs, "default_block_size", None) or 5 << 20)
+
     @contextmanager
     def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
         # An object is durable once its upload completed; there is nothing to fsync.
-        block = int(getattr(self.fs, "default_block_size", None) or 5 << 20)
-        w = _ObjectWriter(self.fs, path, block)
+        w = _ObjectWriter(self.fs, path, self._block())
         try:
             yield w
             w.finish(before_publish)
@@ -188,27 +192,24 @@ class MoveIntoPlace(CommitStrategy):
             raise
 
 
-class BufferedPut(CommitStrategy):
+class BufferedPut(ObjectPut):
+    """Every file buffered whole and stored in one call: for ``memory://``, where a file opened
+    for writing is visible at once."""
+
     name = "buffered-put"
 
-    @contextmanager
-    def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
-        buf = io.BytesIO()
-        yield buf
-        _run(before_publish)
-        self.fs.pipe_file(path, buf.getvalue())
+    def _block(self) -> int:
+        return sys.maxsize
 
 
 def strategy_for(fs: AbstractFileSystem) -> CommitStrategy:
     """The commit strategy for a filesystem."""
     if isinstance(fs, LocalFileSystem):
         return PosixRename(fs)
-    if isinstance(fs, MemoryFileSystem):
-        return BufferedPut(fs)
     target = fs.fs if isinstance(fs, DirFileSystem) else fs  # dir:// is a prefix over another fs
     protocols = {target.protocol} if isinstance(target.protocol, str) else set(target.protocol)
-    if isinstance(target, LocalFileSystem) or protocols & MOVE_PROTOCOLS:
-        return MoveIntoPlace(fs)
     if isinstance(target, MemoryFileSystem):
         return BufferedPut(fs)
+    if isinstance(target, LocalFileSystem) or protocols & MOVE_PROTOCOLS:
+        return MoveIntoPlace(fs)
     return ObjectPut(fs)

@@ -201,12 +201,16 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
             checkpoints count too).
         storage_options: fsspec options for ``root``.
     """
-    k = parse_kind(kind)
-    storage = Storage(root, storage_options)
-    tracked = read_tracker(storage, k)
-    if tracked is not None and is_committed(storage, tracked, k):
+    return newest_committed(Storage(root, storage_options), parse_kind(kind))
+
+
+def newest_committed(storage: Storage, kind: Kind) -> int | None:
+    """:func:`latest_step` on an open :class:`Storage`: the tracker, if its step is committed,
+    else the newest step with a manifest."""
+    tracked = read_tracker(storage, kind)
+    if tracked is not None and is_committed(storage, tracked, kind):
         return tracked
-    steps = committed_steps(storage, k)
+    steps = committed_steps(storage, kind)
     return steps[-1] if steps else None
 
 

@@ -59,6 +59,10 @@ class Manifest(BaseModel):
     files: list[FileEntry]
     committed_at: float
 
+    def to_bytes(self) -> bytes:
+        """What is written to storage (the root's manifest, and the mirror's copy of it)."""
+        return self.model_dump_json(indent=1).encode()
+
 
 def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
     """Size and CRC-32 (8 hex digits) of a file, read in large chunks."""

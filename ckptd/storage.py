@@ -19,7 +19,7 @@ from typing import IO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_dir, strategy_for
+from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_path, strategy_for
 from ckptd.errors import CheckpointConfigError
 
 __all__ = ["TMP_PREFIX", "FileStat", "Storage"]
@@ -101,11 +101,7 @@ class Storage:
             return
         dirs: set[str] = set()
         for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
             d = os.path.dirname(path)
             while d.startswith(self.root) and d not in dirs:
                 dirs.add(d)
@@ -113,7 +109,7 @@ class Storage:
                     break
                 d = os.path.dirname(d)
         for d in sorted(dirs, key=len, reverse=True):
-            fsync_dir(d)
+            fsync_path(d)
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)

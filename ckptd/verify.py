@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError, CorruptCheckpointError
-from ckptd.layout import MANIFESTS, find_step_dir, latest_step, parse_kind
+from ckptd.layout import MANIFESTS, find_step_dir, newest_committed, parse_kind
 from ckptd.manifest import FileEntry, Manifest, crc32_file
 from ckptd.storage import Storage
 from ckptd.workers.files import load_json, mismatch, read_verified
@@ -22,8 +22,12 @@ class CommittedStep:
 
     step: int
     path: str
-    kinds: frozenset[Kind]
+    manifests: dict[Kind, Manifest]
     files: dict[str, FileEntry]
+
+    @property
+    def kinds(self) -> frozenset[Kind]:
+        return frozenset(self.manifests)
 
 
 def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep | None:
@@ -33,7 +37,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep |
         CheckpointError: ``step`` was given and is not committed as ``kind``.
     """
     if step is None:
-        step = latest_step(storage.url, kind.value, storage.storage_options)
+        step = newest_committed(storage, kind)
         if step is None:
             return None
     name = find_step_dir(storage, step)
@@ -51,7 +55,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep |
     files: dict[str, FileEntry] = {}
     for m in manifests.values():
         files.update({f.path: f for f in m.files})
-    return CommittedStep(step, path, frozenset(manifests), files)
+    return CommittedStep(step, path, manifests, files)
 
 
 def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",

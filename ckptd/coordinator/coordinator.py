@@ -158,13 +158,7 @@ class CheckpointCoordinator:
 
     def _check_shared_root(self) -> None:
         writer = f"worker {self._worker!r} on {where_am_i()}"
-        try:
-            probe = write_probe(self._storage, writer)
-        except OSError as e:
-            raise CheckpointConfigError(
-                f"worker {self._worker!r} cannot write under the checkpoint root {self._storage.url!r} "
-                f"({type(e).__name__}: {e}); every worker needs write access to the root"
-            ) from e
+        probe = write_probe(self._storage, writer)  # raises if this worker cannot write the root
         try:
             result = self._call("check_shared_root", probe.rel, probe.token, writer)
         finally:

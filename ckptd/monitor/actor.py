@@ -439,7 +439,7 @@ class CheckpointMonitor:
         manifest = build_manifest(step, kind, list(finished), files)
         self._storage.makedirs(step_path)
         self._storage.write_atomic(f"{step_path}/{MANIFESTS[kind]}",
-                                   manifest.model_dump_json(indent=1).encode())
+                                   manifest.to_bytes())
 
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
         # A full checkpoint holds the weights too, so it also advances the state-dict tracker.

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,14 +33,15 @@ from typing import Any
 from ckptd import failpoints
 from ckptd.config import Kind, MirrorOptions
 from ckptd.errors import CheckpointError
-from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, find_step_dir, is_committed, read_tracker, scan_steps
-from ckptd.manifest import FileEntry, Manifest, crc32_file
+from ckptd.layout import MANIFESTS, TRACKERS, is_committed, newest_committed, scan_steps
+from ckptd.manifest import FileEntry, crc32_file
 from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
 from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
 from ckptd.storage import Storage
 from ckptd.threads import lower_priority
 from ckptd.units import StepDirTemplate
-from ckptd.workers.files import load_json, mismatch
+from ckptd.verify import open_step
+from ckptd.workers.files import ChecksumWriter, mismatch, write_stream
 
 log = logging.getLogger("ckptd.mirror")
 
@@ -290,36 +290,21 @@ class Mirror:
     # -- in the mirror's threads ---------------------------------------------------------------
 
     def _read_remote_trackers(self) -> dict[Kind, int | None]:
-        out: dict[Kind, int | None] = {}
-        for kind in Kind:
-            tracked = read_tracker(self.remote, kind)
-            if tracked is not None and is_committed(self.remote, tracked, kind):
-                out[kind] = tracked
-            else:
-                steps = committed_steps(self.remote, kind)
-                out[kind] = steps[-1] if steps else None
-        return out
+        return {kind: newest_committed(self.remote, kind) for kind in Kind}
 
     def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
-        name = find_step_dir(self._local, step, self._template)
-        manifests: dict[Kind, bytes] = {}
-        files: dict[str, FileEntry] = {}
+        # A step whose only manifest is a state dict counts when state dicts are mirrored.
+        kind = Kind.STATE_DICT if Kind.STATE_DICT in self._kinds else Kind.CHECKPOINT
+        try:
+            committed = open_step(self._local, step, kind)
+        except CheckpointError as e:
+            raise LocalCopyError(f"step {step} cannot be read under {self._local.url}: {e}") from e
         # Every manifest of the step, not only the mirrored kinds': a pipeline may list a step's
         # weights under its state-dict manifest and the rest under the checkpoint one. State dict
         # first, so that a reader of the mirror never sees the checkpoint without its weights.
-        for kind in (Kind.STATE_DICT, Kind.CHECKPOINT):
-            if name is None:
-                break
-            path = self._local.join(name, MANIFESTS[kind])
-            data = self._local.read_text_or_none(path)
-            if data is None:
-                continue
-            manifest = Manifest.model_validate(load_json(data.encode(), path))
-            manifests[kind] = data.encode()
-            files.update({f.path: f for f in manifest.files})
-        if not set(manifests) & self._kinds:
-            raise LocalCopyError(f"step {step} is no longer committed under {self._local.url}")
-        return name, manifests, files
+        manifests = {k: committed.manifests[k].to_bytes()
+                     for k in (Kind.STATE_DICT, Kind.CHECKPOINT) if k in committed.manifests}
+        return committed.path.rsplit("/", 1)[-1], manifests, committed.files
 
     def _copy_file(self, name: str, rel: str, entry: FileEntry, rec: _Upload) -> None:
         src, dst = self._local.join(name, rel), self.remote.join(name, rel)
@@ -334,15 +319,16 @@ class Mirror:
             fin = self._local.open(src, "rb")
         except FileNotFoundError:
             raise LocalCopyError(f"{src} is missing") from None
-        crc, size = 0, 0
-        with fin, self.remote.open_write(dst) as fout:
+
+        def copy(w: ChecksumWriter) -> None:
             while chunk := fin.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
-                fout.write(chunk)
-            problem = mismatch(entry, size, f"{crc:08x}")
-            if problem:  # raised inside the block: nothing is published on the mirror
+                w.write(chunk)
+            problem = mismatch(entry, w.size, f"{w.crc:08x}")
+            if problem:  # raised before the write completes: nothing is published on the mirror
                 raise LocalCopyError(f"{src}: {problem}")
+
+        with fin:
+            write_stream(self.remote, dst, copy)
         # Verified on the mirror itself, not trusted from the upload.
         if self._opts.verify == "checksum":
             problem = mismatch(entry, *crc32_file(self.remote, dst))

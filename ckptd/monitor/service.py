@@ -58,11 +58,30 @@ def start_monitor(
     check_name(run, "run")
     opts = MonitorOptions.parse(options)
     storage = Storage(root, storage_options)
-    storage.check_writable()
-    template = StepDirTemplate(opts.step_dir_template)
-    if opts.mirror is not None:
-        _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template)
-    record_template(storage, template)
+    # The driver's shared-root probe is also the check that the root can be written at all.
+    probe = write_probe(storage, f"the driver on {where_am_i()}")
+    try:
+        template = StepDirTemplate(opts.step_dir_template)
+        if opts.mirror is not None:
+            _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template)
+        record_template(storage, template)
+        handle, created = _create_actor(storage, root, run, namespace, storage_options, mirror_storage_options,
+                                        runtime_env, opts)
+        result = ray.get(handle.check_shared_root.remote(probe.rel, probe.token, probe.writer))
+    finally:
+        remove_probe(storage, probe)
+    if result["error"] is not None:
+        if created:
+            ray.kill(handle, no_restart=True)
+        raise CheckpointConfigError(result["error"])
+    return handle
+
+
+def _create_actor(storage: Storage, root: str, run: str, namespace: str | None, storage_options: dict | None,
+                  mirror_storage_options: dict | None, runtime_env: dict | None,
+                  opts: MonitorOptions) -> tuple[Any, bool]:
+    """The monitor actor of ``run`` (new, or the existing one if its root and options are the
+    same), and whether this call created it."""
     root_url = root if "://" in root else storage.root
     actor_options: dict[str, Any] = {
         "name": actor_name(run),
@@ -93,16 +112,7 @@ def start_monitor(
             f"and options {existing['options']}; this call asked for root {root_url!r} and "
             f"options {wanted}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
         )
-    probe = write_probe(storage, f"the driver on {where_am_i()}")
-    try:
-        result = ray.get(handle.check_shared_root.remote(probe.rel, probe.token, probe.writer))
-    finally:
-        remove_probe(storage, probe)
-    if result["error"] is not None:
-        if created:
-            ray.kill(handle, no_restart=True)
-        raise CheckpointConfigError(result["error"])
-    return handle
+    return handle, created
 
 
 def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate) -> None:

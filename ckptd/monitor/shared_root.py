@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import ray
 
+from ckptd.errors import CheckpointConfigError
 from ckptd.storage import Storage
 
 PROBE_DIR = ".ckptd/probes"
@@ -40,9 +41,20 @@ def where_am_i() -> str:
 
 
 def write_probe(storage: Storage, writer: str) -> Probe:
+    """Write a probe file for the monitor to read back.
+
+    Raises:
+        CheckpointConfigError: the root cannot be written.
+    """
     token = uuid.uuid4().hex
     rel = f"{PROBE_DIR}/{token}.txt"
-    storage.write_atomic(storage.join(rel), f"{token}\n{writer}\n".encode(), durable=False)
+    try:
+        storage.write_atomic(storage.join(rel), f"{token}\n{writer}\n".encode(), durable=False)
+    except OSError as e:
+        raise CheckpointConfigError(
+            f"checkpoint root {storage.url!r} cannot be written by {writer} ({type(e).__name__}: {e}); "
+            "pass a directory or bucket this job can write to"
+        ) from e
     return Probe(rel, token, writer)
 
 

@@ -28,11 +28,11 @@ def keys(s3_server, bucket: str) -> set[str]:
 
 
 def test_a_run_on_s3_commits_with_manifests_and_trackers_and_applies_retention(make_monitor, s3_root, s3_server,
-                                                                               monkeypatch, capsys):
+                                                                               run_name, monkeypatch, capsys):
     root, opts = s3_root
     bucket = root.split("/")[2]
     monitor = make_monitor(root, opts, max_ckpt_to_keep=2)
-    a, b = StateSaver.remote(monitor_run(monitor), "a"), StateSaver.remote(monitor_run(monitor), "b")
+    a, b = StateSaver.remote(run_name, "a"), StateSaver.remote(run_name, "b")
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
     for step in (1, 2, 3, 4):
         driver.register(step, checkpoint_thread_count=3)
@@ -101,7 +101,3 @@ def test_credentials_never_appear_in_status_errors_or_logs(make_monitor, s3_root
         assert secret not in str(bad_bucket.value)
         assert secret not in logs
     assert "no-such-bucket-ckptd" in str(bad_bucket.value)
-
-
-def monitor_run(monitor) -> str:
-    return ray.get(monitor.worker_config.remote())["run"]

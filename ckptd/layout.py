@@ -7,7 +7,7 @@
         ckptd_manifest.json                  written last: the step's checkpoint is committed
         ckptd_state_dict_manifest.json       written last: the step's state dict is committed
       .ckptd/layout.json                     the step directory template of this root
-      .ckptd/pending/{S}/{kind}/             the monitor's ledger for steps not yet committed
+      .ckptd/pending/{S}.{kind}/             the monitor's ledger for steps not yet committed
         registration.json                    expected unit count
         units/{worker}~{name}.json           one receipt per finished or failed unit
         failed.json                          why the step failed as a whole (timeout, commit)
@@ -46,7 +46,22 @@ _known_templates: dict[str, StepDirTemplate] = {}
 
 
 def pending_dir(storage: Storage, step: int, kind: Kind) -> str:
-    return storage.join(LEDGER_DIR, "pending", str(step), kind.value)
+    # One flat directory per (step, kind): the two kinds of a step share no parent directory, so
+    # removing one kind's records can never race with the other kind's writes.
+    return f"{pending_root(storage)}/{step}.{kind.value}"
+
+
+def pending_root(storage: Storage) -> str:
+    return storage.join(LEDGER_DIR, "pending")
+
+
+def parse_pending_name(name: str) -> tuple[int, Kind] | None:
+    """``(step, kind)`` of a directory under :func:`pending_root`, None for anything else."""
+    step, _, kind = name.partition(".")
+    try:
+        return int(step), Kind(kind)
+    except ValueError:
+        return None
 
 
 # -- the template of a root ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ckptd.config import Kind
-from ckptd.layout import pending_dir
+from ckptd.layout import parse_pending_name, pending_dir, pending_root
 from ckptd.manifest import FileEntry
 from ckptd.monitor.ledger import UnitFailure
 from ckptd.storage import Storage
@@ -53,13 +53,7 @@ def write_step_failure(storage: Storage, step: int, kind: Kind, reason: str) -> 
 
 
 def remove_pending(storage: Storage, step: int, kind: Kind) -> None:
-    d = pending_dir(storage, step, kind)
-    storage.rm(d)
-    try:
-        # rmdir, not rm: the other kind of the same step may be registering right now.
-        storage.fs.rmdir(d.rsplit("/", 1)[0])
-    except (OSError, NotImplementedError):
-        pass
+    storage.rm(pending_dir(storage, step, kind))
 
 
 def _receipt_path(storage: Storage, unit: UnitId) -> str:
@@ -87,15 +81,9 @@ class PendingStep:
 
 def load_pending(storage: Storage) -> Iterator[PendingStep]:
     """Every (step, kind) with ledger records in storage, oldest step first."""
-    base = storage.join(".ckptd", "pending")
-    steps = sorted(int(s) for s in storage.listdir(base) if s.isdigit())
-    for step in steps:
-        for kind_name in storage.listdir(f"{base}/{step}"):
-            try:
-                kind = Kind(kind_name)
-            except ValueError:
-                continue
-            yield _load_one(storage, step, kind)
+    found = (parse_pending_name(name) for name in storage.listdir(pending_root(storage)))
+    for step, kind in sorted(key for key in found if key is not None):
+        yield _load_one(storage, step, kind)
 
 
 def _read_json(storage: Storage, path: str) -> dict | None:

@@ -98,6 +98,12 @@ def status(monitor):
     return ray.get(monitor.status.remote())
 
 
+def ledger_records(root: str, step: int) -> list[str]:
+    """The monitor's ledger directories for ``step`` (one per kind) under a local root."""
+    base = f"{root}/.ckptd/pending"
+    return [n for n in os.listdir(base) if n.split(".")[0] == str(step)] if os.path.isdir(base) else []
+
+
 def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
     """Poll a condition that no event can signal (the monitor's internal state)."""
     deadline = time.monotonic() + timeout_s

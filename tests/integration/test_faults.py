@@ -12,7 +12,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import SaveWorker, Signal, failpoint_env, restart_monitor, status, wait_for
+from .helpers import SaveWorker, Signal, failpoint_env, ledger_records, restart_monitor, status, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -64,7 +64,7 @@ def test_monitor_killed_mid_step_recovers(make_monitor, run_name, tmp_path, how)
     trainer.wait_committed(2, timeout_s=30)
     assert ckptd.latest_step(root) == 2 and _has_manifest(root, 1)
     # Ledger records of committed steps are cleaned up.
-    wait_for(lambda: not os.path.exists(f"{root}/.ckptd/pending/2"), what="clean-up")
+    wait_for(lambda: ledger_records(root, 2) == [], what="clean-up")
 
 
 def test_restart_repairs_a_tracker_behind_a_committed_manifest(make_monitor, tmp_path):

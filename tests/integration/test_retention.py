@@ -12,7 +12,7 @@ import ray
 
 import ckptd
 
-from .helpers import failpoint_env, restart_monitor, status
+from .helpers import failpoint_env, ledger_records, restart_monitor, status
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -118,5 +118,5 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
     # Failed step 1 at once, crashed step 2 (untouched for an hour) too; step 3 was written
     # moments ago, perhaps by a save this monitor has not heard of yet: it stays for now.
     assert _steps(root) == {3, 4}
-    assert not os.path.exists(f"{root}/.ckptd/pending/1")
+    assert ledger_records(root, 1) == []
     coord.close()

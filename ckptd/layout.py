@@ -187,8 +187,13 @@ def _counts_as(kinds: frozenset[Kind], kind: Kind) -> bool:
 
 def is_committed(storage: Storage, step: int, kind: Kind) -> bool:
     """The one predicate every reader asks: is step ``step`` committed as ``kind``?"""
-    name = find_step_dir(storage, step)
-    return name is not None and _counts_as(_kinds_in(storage, name), kind)
+    return _counts_as(manifests_of(storage, step), kind)
+
+
+def manifests_of(storage: Storage, step: int, template: StepDirTemplate | None = None) -> frozenset[Kind]:
+    """The kinds whose manifest step ``step`` has (empty if it has no directory)."""
+    name = find_step_dir(storage, step, template)
+    return frozenset() if name is None else _kinds_in(storage, name)
 
 
 def committed_steps(storage: Storage, kind: Kind) -> list[int]:

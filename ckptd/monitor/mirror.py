@@ -33,7 +33,7 @@ from typing import Any
 from ckptd import failpoints
 from ckptd.config import Kind, MirrorOptions
 from ckptd.errors import CheckpointError
-from ckptd.layout import MANIFESTS, TRACKERS, is_committed, newest_committed, scan_steps
+from ckptd.layout import MANIFESTS, TRACKERS, StepEntry, is_committed, manifests_of, newest_committed, scan_steps
 from ckptd.manifest import FileEntry, crc32_file
 from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
 from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
@@ -103,7 +103,7 @@ class Mirror:
         self._events: dict[int, asyncio.Event] = {}
         self._wake = asyncio.Event()
         self._ready = False
-        self._startup_protected = {s for s, kinds in local_committed.items() if kinds & self._kinds}
+        self._startup_local = {s: kinds for s, kinds in local_committed.items() if kinds & self._kinds}
         self._trackers: dict[Kind, int | None] = dict.fromkeys(Kind)
         self._lock = threading.Lock()
         self._retried = 0
@@ -138,7 +138,7 @@ class Mirror:
 
     def protected(self) -> set[int]:
         """Steps local retention must keep: not yet mirrored."""
-        out = self._queue | self._startup_protected
+        out = self._queue | set(self._startup_local)
         if self._current is not None:
             out.add(self._current)
         return out
@@ -186,6 +186,7 @@ class Mirror:
         while True:
             try:
                 self._trackers = await self._io(self._read_remote_trackers)
+                missing = await self._io(self._missing_on_mirror)
                 break
             except Exception as e:  # the mirror is unreachable: keep the local steps, try again
                 self._start_error = f"{type(e).__name__}: {e}"
@@ -193,11 +194,9 @@ class Mirror:
                 await asyncio.sleep(min(delay, _MAX_BACKOFF_S))
                 delay *= 2
         self._start_error = None
-        newest = max((s for s in self._trackers.values() if s is not None), default=-1)
-        for step in sorted(self._startup_protected):
-            if step > newest:  # older ones were mirrored, or retention there dropped them
-                self.enqueue(step)
-        self._startup_protected = set()
+        for step in missing:
+            self.enqueue(step)
+        self._startup_local = {}
         self._ready = True
         self._on_change()
         while True:
@@ -291,6 +290,21 @@ class Mirror:
 
     def _read_remote_trackers(self) -> dict[Kind, int | None]:
         return {kind: newest_committed(self.remote, kind) for kind in Kind}
+
+    def _missing_on_mirror(self) -> list[int]:
+        """The local steps (when the monitor started) that the mirror lacks, whole or a manifest of,
+        and that the mirror's retention would keep: a step an earlier monitor failed to upload
+        goes up now even if newer ones made it, unless the mirror would delete it at once."""
+        missing = {step: kinds for step, kinds in self._startup_local.items()
+                   if not kinds <= manifests_of(self.remote, step, self._template)}
+        newest = max((s for s in self._trackers.values() if s is not None), default=-1)
+        if all(step > newest for step in missing):
+            return sorted(missing)  # the common case, without listing the mirror
+        entries = {s: e for s, e in scan_steps(self.remote, self._template).items() if e.committed}
+        entries.update({step: StepEntry(step, "", kinds) for step, kinds in missing.items()})
+        trackers = {s for s in self._trackers.values() if s is not None}
+        dropped = {e.step for e in plan_retention(entries, self._policy, protected=trackers, failed=set()).delete}
+        return sorted(set(missing) - dropped)
 
     def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
         # A step whose only manifest is a state dict counts when state dicts are mirrored.

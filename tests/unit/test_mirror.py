@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from ckptd.config import Kind, MirrorOptions
 from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, read_tracker, scan_steps
 from ckptd.manifest import FileEntry, build_manifest
@@ -41,23 +43,34 @@ async def run_until(mirror: Mirror, coro):
         task.cancel()
 
 
-def test_start_up_uploads_only_what_is_newer_than_the_mirror_and_protects_until_then(tmp_path):
+@pytest.mark.parametrize("keep, uploaded, left", [
+    (None, [3, 5], [1, 2, 3, 4, 5]),
+    (3, [3, 5], [3, 4, 5]),
+    (2, [5], [4, 5]),  # step 3 would be deleted from the mirror at once: not uploaded
+])
+def test_start_up_uploads_what_the_mirror_lacks_and_would_keep_and_protects_until_then(tmp_path, keep, uploaded,
+                                                                                      left):
     local = Storage(str(tmp_path / "local"))
     remote = Storage(f"memory://mirror-{uuid.uuid4().hex[:8]}/run")
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4, 5):
         commit(local, step)
-    commit(remote, 1)  # an earlier monitor mirrored step 1
-    mirror, changes = mirror_of(local, remote)
-    assert mirror.protected() == {1, 2, 3}  # until the mirror's state is known
+    for step in (1, 2, 4):  # an earlier monitor mirrored these; its upload of step 3 was killed
+        commit(remote, step)
+    write_bytes(remote, remote.join("global_step_3", "weights.bin"), b"part of it")
+    mirror, changes = mirror_of(local, remote, max_ckpt_to_keep=keep)
+    assert mirror.protected() == {1, 2, 3, 4, 5}  # until the mirror's state is known
 
     async def scenario():
-        assert (await mirror.wait(3, 30))["mirrored"]
-        assert (await mirror.wait(1, 1))["mirrored"]  # already there
+        assert (await mirror.wait(5, 30))["mirrored"]
+        assert (await mirror.wait(4, 1))["mirrored"]  # already there
+        await mirror.retention_idle.wait()
         return mirror.status()
 
     shown = asyncio.run(run_until(mirror, scenario()))
-    assert [s.step for s in shown.steps] == [2, 3]  # step 1 was not uploaded again
-    assert committed_steps(remote, Kind.CHECKPOINT) == [1, 2, 3] and read_tracker(remote, Kind.CHECKPOINT) == 3
+    assert [s.step for s in shown.steps] == uploaded  # nothing uploaded twice
+    assert committed_steps(remote, Kind.CHECKPOINT) == left and read_tracker(remote, Kind.CHECKPOINT) == 5
+    assert all(remote.read_bytes(remote.join(f"global_step_{s}", "weights.bin")) == f"step {s}".encode() * 100
+               for s in left)
     assert mirror.protected() == set() and changes
 
 

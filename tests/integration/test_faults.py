@@ -88,6 +88,7 @@ def test_timeout_fails_the_step_with_a_reason_and_survives_restart(make_monitor,
     monitor = make_monitor(root, step_timeout_s=1.0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     coord.save_async("model", lambda: _write(root, 3, "m.bin"), 3)
+    coord.wait_all()  # the one unit has finished, however slow the machine, before the clock starts
     coord.register(3, checkpoint_thread_count=2)
     with pytest.raises(ckptd.CheckpointSaveError, match="timed out after 1 s: 1 of 2 registered units"):
         coord.wait_committed(3, timeout_s=30)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -177,20 +176,6 @@ class Storage:
                 continue
             out[full[len(prefix):]] = FileStat(int(info.get("size") or 0), _mtime_ns(info))
         return out
-
-    # -- checks --------------------------------------------------------------------------------
-
-    def check_writable(self) -> None:
-        """Write and remove a probe file under the root, or raise CheckpointConfigError."""
-        probe = self.join(".ckptd", f"probe-{uuid.uuid4().hex}")
-        try:
-            self.write_atomic(probe, b"ckptd write probe\n")
-            self.rm(probe)
-        except OSError as e:
-            raise CheckpointConfigError(
-                f"checkpoint root {self.url!r} cannot be written ({type(e).__name__}: {e}); "
-                "pass a directory or bucket this job can write to"
-            ) from e
 
 
 def _open_fs(url: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -283,6 +283,10 @@ class Mirror:
                            self.remote.join(TRACKERS[kind]), f"{step}\n".encode())
             self._trackers[kind] = step
 
+    def _tracked(self) -> set[int]:
+        """The steps the mirror's trackers point at."""
+        return {s for s in self._trackers.values() if s is not None}
+
     async def _io(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
 
@@ -297,13 +301,12 @@ class Mirror:
         goes up now even if newer ones made it, unless the mirror would delete it at once."""
         missing = {step: kinds for step, kinds in self._startup_local.items()
                    if not kinds <= manifests_of(self.remote, step, self._template)}
-        newest = max((s for s in self._trackers.values() if s is not None), default=-1)
-        if all(step > newest for step in missing):
+        if all(step > max(self._tracked(), default=-1) for step in missing):
             return sorted(missing)  # the common case, without listing the mirror
         entries = {s: e for s, e in scan_steps(self.remote, self._template).items() if e.committed}
         entries.update({step: StepEntry(step, "", kinds) for step, kinds in missing.items()})
-        trackers = {s for s in self._trackers.values() if s is not None}
-        dropped = {e.step for e in plan_retention(entries, self._policy, protected=trackers, failed=set()).delete}
+        plan = plan_retention(entries, self._policy, protected=self._tracked(), failed=set())
+        dropped = {e.step for e in plan.delete}
         return sorted(set(missing) - dropped)
 
     def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
@@ -370,7 +373,7 @@ class Mirror:
     # -- retention on the mirror ---------------------------------------------------------------
 
     async def _remote_retention(self) -> None:
-        protected = self.protected() | {s for s in self._trackers.values() if s is not None}
+        protected = self.protected() | self._tracked()
         try:
             result = await self._io(self._retention_pass, protected)
             self._deleted = (self._deleted + result.deleted)[-1000:]

@@ -10,7 +10,7 @@ from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.layout import record_template
 from ckptd.monitor.actor import monitor_actor_class
-from ckptd.monitor.shared_root import remove_probe, where_am_i, write_probe
+from ckptd.monitor.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.units import StepDirTemplate, check_name
 
@@ -63,7 +63,7 @@ def start_monitor(
     try:
         template = StepDirTemplate(opts.step_dir_template)
         if opts.mirror is not None:
-            _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template)
+            _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template, probe.writer)
         record_template(storage, template)
         handle, created = _create_actor(storage, root, run, namespace, storage_options, mirror_storage_options,
                                         runtime_env, opts)
@@ -115,7 +115,7 @@ def _create_actor(storage: Storage, root: str, run: str, namespace: str | None, 
     return handle, created
 
 
-def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate) -> None:
+def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate, writer: str) -> None:
     """Refuse a mirror that is the root, lies inside it or holds it, or cannot be written."""
     a, b = local.url.rstrip("/") + "/", mirror.url.rstrip("/") + "/"
     if a.startswith(b) or b.startswith(a):
@@ -123,7 +123,7 @@ def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate) ->
             f"the mirror {mirror.url!r} overlaps the checkpoint root {local.url!r}; the mirror must be "
             "separate storage (for example s3://bucket/run for a local root)"
         )
-    mirror.check_writable()
+    check_writable(mirror, writer)
     record_template(mirror, template)  # raises if the mirror already names its steps otherwise
 
 

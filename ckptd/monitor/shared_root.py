@@ -51,11 +51,25 @@ def write_probe(storage: Storage, writer: str) -> Probe:
     try:
         storage.write_atomic(storage.join(rel), f"{token}\n{writer}\n".encode(), durable=False)
     except OSError as e:
-        raise CheckpointConfigError(
-            f"checkpoint root {storage.url!r} cannot be written by {writer} ({type(e).__name__}: {e}); "
-            "pass a directory or bucket this job can write to"
-        ) from e
+        raise _unwritable(storage, writer, e) from e
     return Probe(rel, token, writer)
+
+
+def check_writable(storage: Storage, writer: str) -> None:
+    """Write and delete a probe file (retention and ledger clean-up delete too), or raise
+    CheckpointConfigError."""
+    probe = write_probe(storage, writer)
+    try:
+        storage.rm(storage.join(probe.rel))
+    except OSError as e:
+        raise _unwritable(storage, writer, e) from e
+
+
+def _unwritable(storage: Storage, writer: str, e: OSError) -> CheckpointConfigError:
+    return CheckpointConfigError(
+        f"checkpoint root {storage.url!r} cannot be written by {writer} ({type(e).__name__}: {e}); "
+        "pass a directory or bucket this job can write to"
+    )
 
 
 def remove_probe(storage: Storage, probe: Probe) -> None:

@@ -11,6 +11,7 @@ from ckptd import failpoints
 from ckptd.config import MonitorOptions, SaveStrategy
 from ckptd.errors import CheckpointConfigError, FailpointError
 from ckptd.layout import latest_step, step_dir
+from ckptd.monitor.shared_root import check_writable
 from ckptd.storage import Storage
 from ckptd.units import check_count, check_name, check_step
 
@@ -60,14 +61,14 @@ def test_unwritable_root_is_refused(tmp_path):
     ro.mkdir()
     ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
     with pytest.raises(CheckpointConfigError, match="cannot be written"):
-        Storage(str(ro)).check_writable()
+        check_writable(Storage(str(ro)), "the test")
 
 
 def test_root_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(CheckpointConfigError, match="cannot be written"):
-        Storage(str(f)).check_writable()
+        check_writable(Storage(str(f)), "the test")
 
 
 def test_relative_root_is_made_absolute(tmp_path, monkeypatch):

@@ -50,7 +50,8 @@ class Flood:
         events = []
         for w in range(first, first + workers):
             for u in range(units):
-                unit = {"worker": f"w{w}", "name": f"u{u}", "step": step, "kind": "checkpoint"}
+                unit = {"worker": f"w{w}", "name": f"u{u}", "step": step, "kind": "checkpoint",
+                        "call": f"{w}-{u}-{step}"}
                 events += [("started", unit, None), ("finished", unit, [])]
         ray.get([self.monitor.notify_batch.remote(events[i:i + batch]) for i in range(0, len(events), batch)])
 

@@ -18,6 +18,7 @@ from ckptd.layout import latest_step, step_dir
 from ckptd.manifest import WrittenFile
 from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
 from ckptd.resume import ResumeState, resume
+from ckptd.retire import retire_steps
 from ckptd.verify import verify
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "get_monitor",
     "latest_step",
     "resume",
+    "retire_steps",
     "start_monitor",
     "step_dir",
     "verify",

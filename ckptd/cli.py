@@ -1,4 +1,4 @@
-"""The ``ckptd`` command line: ``ckptd demo``, ``ckptd latest`` and ``ckptd verify``."""
+"""The ``ckptd`` command line: ``ckptd demo``, ``latest``, ``verify`` and ``retire``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("root")
     verify.add_argument("--step", type=int, default=None, help="the step (default: the newest checkpoint)")
     verify.add_argument("--kind", choices=["checkpoint", "state_dict"], default="checkpoint")
+    retire = sub.add_parser("retire", help="remove the steps newer than --after, so a job resuming from an "
+                                           "older step can save them again (stop the run's monitor first)")
+    retire.add_argument("root")
+    retire.add_argument("--after", type=int, required=True, help="keep steps up to and including this one")
+    retire.add_argument("--mirror", default=None, help="the run's mirror URL, retired too")
+    retire.add_argument("--yes", action="store_true", help="do it; without it, only list what would go")
     args = parser.parse_args(argv)
+
+    if args.command == "retire":
+        return _retire(args)
 
     if args.command == "demo":
         from ckptd.workers.demo import run_demo
@@ -53,6 +62,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {_latest(args.root)}")
     print(f"state_dict: {_latest(args.root, 'state_dict')}")
     return 0
+
+
+def _retire(args: argparse.Namespace) -> int:
+    from ckptd.errors import CheckpointError
+    from ckptd.layout import scan_steps
+    from ckptd.retire import retire_steps
+    from ckptd.storage import Storage
+
+    try:
+        newer = sorted(s for s in scan_steps(Storage(args.root)) if s > args.after)
+        if not args.yes:
+            print(f"would retire steps {newer} under {args.root}; run again with --yes")
+            return 0
+        retire_steps(args.root, args.after, mirror=args.mirror)
+    except CheckpointError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"retired steps {newer}; latest checkpoint is now {_latest_of(args.root)}")
+    return 0
+
+
+def _latest_of(root: str) -> int | None:
+    from ckptd.layout import latest_step
+
+    return latest_step(root)
 
 
 if __name__ == "__main__":

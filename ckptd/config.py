@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckptd.errors import CheckpointConfigError
+from ckptd.template import StepDirTemplate
 
 
 class SaveStrategy(str, Enum):
@@ -132,6 +133,9 @@ class MonitorOptions(RetentionLimits):
             None keeps all. The default, 2, keeps the previous version for readers that are
             still loading it.
         keep_every_n_steps: Never delete steps that are a multiple of this; None for none.
+        unregistered_warning_s: A unit that finished while its step's kind is unregistered (or
+            registered units that never started) is logged and shown in ``status().warnings``
+            after this many seconds; the step still fails only at ``step_timeout_s``.
         leftover_grace_s: Step directories without a manifest that are older than the newest
             commit are deleted once nothing in them has changed for this long (failed steps
             are deleted at once).
@@ -153,13 +157,12 @@ class MonitorOptions(RetentionLimits):
     step_dir_template: str = "global_step_{step}"
     max_state_dict_to_keep: int | None = 2  # max_ckpt_to_keep and keep_every_n_steps: see RetentionLimits
     leftover_grace_s: float = Field(default=600.0)
+    unregistered_warning_s: float = Field(default=60.0)
     mirror: MirrorOptions | None = None
 
     @field_validator("step_dir_template")
     @classmethod
     def _template(cls, v: str) -> str:
-        from ckptd.units import StepDirTemplate  # units imports this module for Kind
-
         return StepDirTemplate(v).template
 
     @field_validator("mirror", mode="before")
@@ -167,7 +170,7 @@ class MonitorOptions(RetentionLimits):
     def _mirror(cls, v: Any) -> Any:
         return {"url": v} if isinstance(v, str) else v
 
-    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s")
+    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s", "unregistered_warning_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:
         if not v > 0:

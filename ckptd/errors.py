@@ -17,7 +17,8 @@ class CheckpointConfigError(CheckpointError, ValueError):
 
 
 class RegistrationConflictError(CheckpointConfigError):
-    """A registration disagrees with an earlier registration of the same step and kind."""
+    """A registration conflicts with what is committed: it adds units to a step that is already
+    committed as a checkpoint (registrations of a step otherwise add up)."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

@@ -7,10 +7,11 @@
         ckptd_manifest.json                  written last: the step's checkpoint is committed
         ckptd_state_dict_manifest.json       written last: the step's state dict is committed
       .ckptd/layout.json                     the step directory template of this root
-      .ckptd/pending/{S}.{kind}/             the monitor's ledger for steps not yet committed
-        registration.json                    expected unit count
-        units/{worker}~{name}.json           one receipt per finished or failed unit
-        failed.json                          why the step failed as a whole (timeout, commit)
+      .ckptd/attempts/{n}.json               one record per job that started a monitor here
+      .ckptd/pending/{attempt}/{S}/          the monitor's ledger for steps in flight
+        reg-{id}.json                        one per register call: counts to add per kind
+        unit-{call}.json                     one receipt per finished or failed save call
+        failed-{kind}.json                   why a kind of the step failed (timeout, commit)
 
 A step of a kind exists for readers only if its manifest exists, on every backend. Steps are
 always ordered by the number parsed from the directory name, never by the name.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.storage import Storage
-from ckptd.units import StepDirTemplate
+from ckptd.template import StepDirTemplate
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +46,6 @@ _LAYOUT_FILE = "layout.json"
 _known_templates: dict[str, StepDirTemplate] = {}
 
 
-def pending_dir(storage: Storage, step: int, kind: Kind) -> str:
-    # One flat directory per (step, kind): the two kinds of a step share no parent directory, so
-    # removing one kind's records can never race with the other kind's writes.
-    return f"{pending_root(storage)}/{step}.{kind.value}"
-
-
-def pending_root(storage: Storage) -> str:
-    return storage.join(LEDGER_DIR, "pending")
-
-
-def parse_pending_name(name: str) -> tuple[int, Kind] | None:
-    """``(step, kind)`` of a directory under :func:`pending_root`, None for anything else."""
-    step, _, kind = name.partition(".")
-    try:
-        return int(step), Kind(kind)
-    except ValueError:
-        return None
-
-
 # -- the template of a root ---------------------------------------------------------------------
 
 
@@ -80,20 +62,27 @@ def read_template(storage: Storage) -> StepDirTemplate:
     return template
 
 
+def check_template(storage: Storage, template: StepDirTemplate) -> bool:
+    """Raise if the root names its step directories with another template; True if the root
+    records one at all. Reads only."""
+    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
+    if text is None:
+        return False
+    existing = json.loads(text)["step_dir_template"]
+    if existing != template.template:
+        raise CheckpointConfigError(
+            f"checkpoint root {storage.url!r} names its step directories {existing!r}; this "
+            f"monitor was configured with {template.template!r}. Use the root's template or "
+            "another root"
+        )
+    return True
+
+
 def record_template(storage: Storage, template: StepDirTemplate) -> None:
     """Record the root's template, or raise if the root already uses another one."""
-    path = storage.join(LEDGER_DIR, _LAYOUT_FILE)
-    text = storage.read_text_or_none(path)
-    if text is not None:
-        existing = json.loads(text)["step_dir_template"]
-        if existing != template.template:
-            raise CheckpointConfigError(
-                f"checkpoint root {storage.url!r} names its step directories {existing!r}; this "
-                f"monitor was configured with {template.template!r}. Use the root's template or "
-                "another root"
-            )
-        return
-    storage.write_atomic(path, json.dumps({"step_dir_template": template.template}).encode())
+    if not check_template(storage, template):
+        storage.write_atomic(storage.join(LEDGER_DIR, _LAYOUT_FILE),
+                             json.dumps({"step_dir_template": template.template}).encode())
     _known_templates[storage.url] = template
 
 

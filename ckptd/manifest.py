@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
-from ckptd.storage import TMP_PREFIX, FileStat, Storage
+from ckptd.storage import TMP_PREFIX, Storage
 
 _CHUNK = 8 << 20
 MANIFEST_VERSION = 1
@@ -55,9 +55,11 @@ class Manifest(BaseModel):
     version: int = MANIFEST_VERSION
     step: int
     kind: Kind
-    units: list[str]
+    units: list[str]  # the units it counts, as ``worker/name#call``
     files: list[FileEntry]
     committed_at: float
+    attempt: int | None = None  # the attempt (job) that committed it
+    registered: int | None = None  # the units registered for this kind when it committed
 
     def to_bytes(self) -> bytes:
         """What is written to storage (the root's manifest, and the mirror's copy of it)."""
@@ -81,44 +83,7 @@ def is_internal(rel_path: str) -> bool:
     return base.startswith(TMP_PREFIX) or base.startswith("ckptd_") and base.endswith("manifest.json")
 
 
-def describe_files(storage: Storage, step_path: str, stats: dict[str, FileStat]) -> list[FileEntry]:
-    """Checksum the given files (paths relative to ``step_path``)."""
-    entries = []
-    for rel, st in sorted(stats.items()):
-        size, crc = crc32_file(storage, f"{step_path}/{rel}")
-        entries.append(FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns))
-    return entries
-
-
-def merge_unit_files(
-    storage: Storage, step_path: str, reports: dict[str, list[FileEntry]]
-) -> list[FileEntry]:
-    """One entry per file from the units' reports.
-
-    Two units of a step can both report a file when one of them discovered the other's file by
-    scanning the step directory while it was being written. All units have finished by now, so
-    the report whose size and mtime match the file as it is now is the complete one.
-
-    Raises:
-        OSError: a reported file is gone, or changed after every report of it.
-    """
-    by_path: dict[str, list[FileEntry]] = {}
-    for entries in reports.values():
-        for e in entries:
-            by_path.setdefault(e.path, []).append(e)
-    merged = []
-    for rel, candidates in sorted(by_path.items()):
-        distinct = {(c.size, c.crc32, c.mtime_ns) for c in candidates}
-        if len(distinct) == 1:
-            merged.append(candidates[0])
-            continue
-        now = storage.stat(f"{step_path}/{rel}")
-        match = [c for c in candidates if c.size == now.size and c.mtime_ns == now.mtime_ns]
-        if not match:
-            raise OSError(f"{rel} changed after every unit that wrote it had reported it")
-        merged.append(match[-1])
-    return merged
-
-
-def build_manifest(step: int, kind: Kind, units: list[str], files: list[FileEntry]) -> Manifest:
-    return Manifest(step=step, kind=kind, units=sorted(units), files=files, committed_at=time.time())
+def build_manifest(step: int, kind: Kind, units: list[str], files: list[FileEntry], *,
+                   attempt: int | None = None, registered: int | None = None) -> Manifest:
+    return Manifest(step=step, kind=kind, units=sorted(units), files=sorted(files, key=lambda f: f.path),
+                    committed_at=time.time(), attempt=attempt, registered=registered)

@@ -128,7 +128,7 @@ class Storage:
     def read_text_or_none(self, path: str) -> str | None:
         try:
             return self.fs.cat_file(path).decode()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a path under a file does not exist either
             return None
 
     def open(self, path: str, mode: str = "rb") -> IO[bytes]:
@@ -141,7 +141,7 @@ class Storage:
         """Base names of the entries of a directory; empty if it does not exist."""
         try:
             entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 

@@ -30,14 +30,16 @@ class CommittedStep:
         return frozenset(self.manifests)
 
 
-def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep | None:
+def open_step(storage: Storage, step: int | None, kind: Kind | None) -> CommittedStep | None:
     """The committed step ``step`` (newest of ``kind`` if None), or None if nothing is committed.
 
+    ``kind=None`` opens a given step with whatever manifests it has.
+
     Raises:
-        CheckpointError: ``step`` was given and is not committed as ``kind``.
+        CheckpointError: ``step`` was given and is not committed as ``kind`` (or at all).
     """
     if step is None:
-        step = newest_committed(storage, kind)
+        step = newest_committed(storage, kind or Kind.CHECKPOINT)
         if step is None:
             return None
     name = find_step_dir(storage, step)
@@ -50,8 +52,9 @@ def open_step(storage: Storage, step: int | None, kind: Kind) -> CommittedStep |
         text = storage.read_text_or_none(mpath)
         if text is not None:
             manifests[k] = Manifest.model_validate(load_json(text.encode(), mpath))
-    if path is None or not (Kind.CHECKPOINT in manifests or (kind is Kind.STATE_DICT and manifests)):
-        raise CheckpointError(f"step {step} is not committed as a {kind.value} under {storage.url}")
+    if path is None or not manifests or kind is Kind.CHECKPOINT and Kind.CHECKPOINT not in manifests:
+        what = f"as a {kind.value}" if kind is not None else "(it has no manifest)"
+        raise CheckpointError(f"step {step} is not committed {what} under {storage.url}")
     files: dict[str, FileEntry] = {}
     for m in manifests.values():
         files.update({f.path: f for f in m.files})
@@ -64,8 +67,10 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
 
     Args:
         root: The checkpoint root.
-        step: The step to check; None for the newest committed step of ``kind``.
-        kind: ``"checkpoint"`` or ``"state_dict"``.
+        step: The step to check, against whatever manifests it has (a state dict, a full
+            checkpoint or both); None for the newest committed step of ``kind``.
+        kind: ``"checkpoint"`` or ``"state_dict"``: which newest step to check when ``step`` is
+            None.
         storage_options: fsspec options for ``root``.
 
     Returns:
@@ -77,7 +82,7 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
         CheckpointError: nothing is committed, or ``step`` is not committed.
     """
     storage = Storage(root, storage_options)
-    committed = open_step(storage, step, parse_kind(kind))
+    committed = open_step(storage, step, parse_kind(kind) if step is None else None)
     if committed is None:
         raise CheckpointError(f"no committed {kind} under {storage.url}")
     problems = []

@@ -7,37 +7,32 @@ unchanged.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
-from ckptd import failpoints
+from ckptd import failpoints, protocol
 from ckptd.config import Kind, SaveStrategy
+from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
-from ckptd.coordinator.notifier import Notifier
+from ckptd.coordinator.lanes import Job, Lane
 from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild, tensors_of
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.layout import find_step_dir
 from ckptd.manifest import FileEntry, WrittenFile
-from ckptd.monitor import journal
-from ckptd.monitor.ledger import UnitFailure
-from ckptd.monitor.service import actor_name
-from ckptd.monitor.shared_root import remove_probe, where_am_i, write_probe
+from ckptd.protocol import UnitFailure, UnitId
+from ckptd.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
-from ckptd.threads import lower_priority
-from ckptd.units import StepDirTemplate, UnitId, check_count, check_name, check_step
+from ckptd.template import StepDirTemplate
+from ckptd.units import check_count, check_name, check_step
 from ckptd.workers.safetensors_io import check_tensors, write_safetensors
 
 log = logging.getLogger("ckptd.coordinator")
@@ -51,40 +46,6 @@ def _drain_at_exit() -> None:
     # save in flight at exit would be cut off: finish them here (errors are logged, not raised).
     for coord in list(_live):
         coord._drain()
-
-
-@dataclass
-class _Job:
-    unit: UnitId
-    save_fn: Callable[[], Any]
-
-
-class _Lane:
-    """One named save thread; units of the same name run one after another, in call order."""
-
-    def __init__(self, name: str, run: Callable[[_Job], None], max_pending: int) -> None:
-        self.queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
-        self.thread = threading.Thread(target=self._loop, args=(run,), name=f"ckptd-save-{name}", daemon=True)
-        self.thread.start()
-
-    def _loop(self, run: Callable[[_Job], None]) -> None:
-        lower_priority()
-        while True:
-            job = self.queue.get()
-            try:
-                if job is None:
-                    return
-                run(job)
-            finally:
-                self.queue.task_done()
-
-
-def _default_worker_id() -> str:
-    ctx = ray.get_runtime_context()
-    actor = ctx.get_actor_id()
-    if actor:
-        return f"actor-{actor[:16]}"
-    return f"{ctx.get_node_id()[:12]}-pid{os.getpid()}"
 
 
 class CheckpointCoordinator:
@@ -128,28 +89,28 @@ class CheckpointCoordinator:
             raise CheckpointConfigError("max_staged must be >= 1")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
-        self._monitor = checkpoint_monitor
-        self._notify_timeout_s = float(notify_timeout_s)
-        cfg = self._call("worker_config")
+        self._client = MonitorClient(checkpoint_monitor, float(notify_timeout_s))
+        cfg = self._client.call("worker_config")
         self._run = cfg["run"]
+        self._attempt = int(cfg["attempt"])
+        self._client.bind(cfg["run"], cfg.get("namespace"))
         self._root_url = cfg["root"]
         self._storage = Storage(cfg["root"], cfg["storage_options"])
         self._template = StepDirTemplate(cfg["step_dir_template"])
         self._strategy = SaveStrategy(cfg["save_strategy"])
         self._lease_s = float(cfg["slot_lease_s"])
-        self._worker = check_name(worker_id or _default_worker_id(), "worker_id")
         ctx = ray.get_runtime_context()
+        self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),
+                                  "worker_id")
         self._node = ctx.get_node_id()
         self._process = f"{self._node}:{os.getpid()}"
         self._max_pending = max_pending
         self._max_staged = max_staged
         self._stagers: dict[str, Stager] = {}
         self._staging: StagingThread | None = None
-        self._notifier: Notifier | None = None
         self._lock = threading.Lock()
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
-        self._sync_seq: dict[tuple[int, Kind], int] = {}
         self._held: dict[str, tuple[str, str, str]] = {}
         self._heartbeat: threading.Thread | None = None
         self._closed = threading.Event()
@@ -160,7 +121,7 @@ class CheckpointCoordinator:
         writer = f"worker {self._worker!r} on {where_am_i()}"
         probe = write_probe(self._storage, writer)  # raises if this worker cannot write the root
         try:
-            result = self._call("check_shared_root", probe.rel, probe.token, writer)
+            result = self._client.call("check_shared_root", probe.rel, probe.token, writer)
         finally:
             remove_probe(self._storage, probe)
         if result["error"] is not None:
@@ -209,8 +170,8 @@ class CheckpointCoordinator:
                 raise CheckpointError("this CheckpointCoordinator is closed")
             lane = self._lanes.get(name)
             if lane is None:
-                lane = self._lanes[name] = _Lane(name, self._run_job, self._max_pending)
-        lane.queue.put(_Job(unit, save_fn))  # blocks while max_pending units are queued
+                lane = self._lanes[name] = Lane(name, self._run_job, self._max_pending)
+        lane.queue.put(Job(unit, save_fn))  # blocks while max_pending units are queued
 
     def save_state_async(
         self,
@@ -326,14 +287,10 @@ class CheckpointCoordinator:
         Raises:
             CheckpointSaveError: ``save_fn`` raised; the original exception is chained.
         """
-        kind = Kind.from_flag(is_state_dict)
-        step = check_step(global_step)
+        unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
-        with self._lock:
-            seq = self._sync_seq.get((step, kind), 0)
-            self._sync_seq[(step, kind)] = seq + 1
-        err = self._run_unit(_Job(self._unit(f"sync{seq}", step, is_state_dict), save_fn))
+        err = self._run_unit(Job(unit, save_fn))
         if err is not None:
             raise err from err.__cause__
 
@@ -398,7 +355,7 @@ class CheckpointCoordinator:
             CheckpointSaveError: the step already failed.
         """
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
-        _raise_for(self._call("register", *args))
+        _raise_for(self._client.call("register", *args))
 
     async def register_and_monitor(
         self,
@@ -409,18 +366,7 @@ class CheckpointCoordinator:
     ) -> None:
         """Async form of :meth:`register`; returns once the registration is durable."""
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
-        deadline = time.monotonic() + self._notify_timeout_s
-        delay = 0.1
-        while True:
-            try:
-                result = await self._monitor.register.remote(*args)
-                break
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        _raise_for(result)
+        _raise_for(await self._client.call_async("register", *args))
 
     def wait_committed(self, global_step: int, is_state_dict: bool = False, timeout_s: float | None = None) -> None:
         """Block until step ``global_step`` is committed.
@@ -432,7 +378,7 @@ class CheckpointCoordinator:
                 newest commit (deleted by retention before the monitor restarted, or never saved).
         """
         kind = Kind.from_flag(is_state_dict)
-        result = self._call("wait_committed", check_step(global_step), kind.value, timeout_s)
+        result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s)
         if result["committed"]:
             return
         if result["cause"] is None:
@@ -450,7 +396,7 @@ class CheckpointCoordinator:
                 (``monitor.status.remote().mirror`` says why).
             CheckpointError: the monitor has no mirror, or the step cannot be mirrored.
         """
-        result = self._call("wait_mirrored", check_step(global_step), timeout_s)
+        result = self._client.call("wait_mirrored", check_step(global_step), timeout_s)
         if result["mirrored"]:
             return
         if result["error"] is None:
@@ -464,45 +410,65 @@ class CheckpointCoordinator:
             Kind.STATE_DICT.value: check_count(sd_count, "state_dict_thread_count"),
             Kind.CHECKPOINT.value: check_count(ckpt_count, "checkpoint_thread_count"),
         }
-        return step, counts, Kind.from_flag(is_state_dict).value
+        # The id makes a call that Ray or this coordinator retries count once: registrations add up.
+        return step, counts, Kind.from_flag(is_state_dict).value, protocol.new_id()
 
     # -- one unit ------------------------------------------------------------------------------
 
     def _unit(self, name: str, step: int, is_state_dict: bool) -> UnitId:
-        return UnitId(self._worker, check_name(name), check_step(step), Kind.from_flag(is_state_dict))
+        return UnitId(self._worker, check_name(name), check_step(step), Kind.from_flag(is_state_dict),
+                      protocol.new_id())
 
-    def _run_job(self, job: _Job) -> None:
+    def _run_job(self, job: Job) -> None:
         err = self._run_unit(job)
         if err is not None:
             with self._lock:
                 self._errors.append(err)
 
-    def _run_unit(self, job: _Job) -> CheckpointSaveError | None:
+    def _run_unit(self, job: Job) -> CheckpointSaveError | None:
         """Run one unit to its end and report it; return the error if it failed."""
         unit = job.unit
-        slot = f"{unit.step}/{unit.kind.value}/{unit.label}"
+        slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
         try:
             self._start(unit, slot)
+        except _Refused as e:
+            # Not part of its step: nothing was written, and nothing is reported as failed.
+            log.error("save %s of step %d (%s) refused: %s", unit.label, unit.step, unit.kind.value, e)
+            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, f"not saved: {e}")
+        except Exception as e:
+            return self._report_failure(unit, e)
+        try:
             files = self._execute(unit, job.save_fn)
             failpoints.hit("after_unit_write")
-            journal.write_finished(self._storage, unit, files)
-            self._notify().deliver(("finished", unit.to_dict(), [f.model_dump() for f in files]))
-            return None
+            protocol.write_finished(self._storage, self._attempt, unit, files)
+            answer = self._client.notify(("finished", unit.to_dict(), [f.model_dump() for f in files]))
         except Exception as e:
             return self._report_failure(unit, e)
         finally:
             with self._lock:
                 self._held.pop(slot, None)
+        if answer and "refused" in answer:
+            # The monitor has recorded what this means for the step (nothing, or its failure).
+            log.error("save %s of step %d (%s) does not count: %s", unit.label, unit.step, unit.kind.value,
+                      answer["refused"])
+            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, answer["refused"])
+        return None
 
     def _start(self, unit: UnitId, slot: str) -> None:
+        """Ask the monitor whether the unit may write (its step is neither committed nor failed)
+        and, with a save strategy, wait for a writer slot.
+
+        Raises:
+            _Refused: the unit must not write.
+        """
         if self._strategy is SaveStrategy.UNRESTRICTED:
-            # Not waited for: "started" only feeds status and the extra-unit check, and the
-            # notifier delivers it before the same unit's "finished".
-            self._notify().post(("started", unit.to_dict(), None))
+            answer = self._client.notify(("started", unit.to_dict(), None))
+            if answer and "refused" in answer:
+                raise _Refused(answer["refused"])
             return
-        result = self._call("acquire_slot", unit.to_dict(), self._node, self._process)
+        result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
         if "aborted" in result:
-            raise CheckpointError(f"not written: the step had already failed ({result['aborted']})")
+            raise _Refused(result["aborted"])
         with self._lock:
             self._held[slot] = (slot, self._node, self._process)
             if self._heartbeat is None:
@@ -554,54 +520,22 @@ class CheckpointCoordinator:
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
         log.error("save %s of step %d (%s) failed: %s", unit.label, unit.step, unit.kind.value, failure.cause)
-        # The error reaches the caller through wait_all() whatever happens below; these two only
-        # make sure the monitor (now, or after a restart) knows the step must never commit.
+        # The error reaches the caller through wait_all() whatever happens below. The receipt is
+        # durable before the monitor hears of the failure, so no restarted monitor can commit the
+        # step; if it cannot be written, the monitor records the failure itself when told.
         try:
-            journal.write_failed(self._storage, unit, failure)
+            protocol.write_failed(self._storage, self._attempt, unit, failure)
         except Exception as e:
             log.error("could not write the failure receipt of %s: %s", unit.label, e)
         try:
-            self._notify().deliver(("failed", unit.to_dict(), failure.model_dump()))
+            self._client.notify(("failed", unit.to_dict(), failure.model_dump()))
         except Exception as e:
             log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
         err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
         err.__cause__ = exc
         return err
 
-    # -- talking to the monitor ----------------------------------------------------------------
-
-    def _notify(self) -> Notifier:
-        with self._lock:
-            if self._notifier is None:
-                self._notifier = Notifier(lambda events: self._call("notify_batch", events))
-            return self._notifier
-
-    def _call(self, method: str, *args: Any) -> Any:
-        """Call a monitor method, retrying while the actor restarts or is unreachable.
-
-        Ray already retries tasks of a restarting actor (the monitor is created with
-        ``max_task_retries=-1``); this loop also covers a monitor that was re-created by name.
-        """
-        deadline = time.monotonic() + self._notify_timeout_s
-        delay = 0.1
-        while True:
-            try:
-                return ray.get(getattr(self._monitor, method).remote(*args))
-            except RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                self._reattach()
-
-    def _reattach(self) -> None:
-        run = getattr(self, "_run", None)
-        if run is None:
-            return
-        try:
-            self._monitor = ray.get_actor(actor_name(run))
-        except ValueError:
-            pass  # not re-created (yet); keep retrying the old handle until the deadline
+    # -- writer slots --------------------------------------------------------------------------
 
     def _renew_loop(self) -> None:
         while not self._closed.wait(self._lease_s / 3):
@@ -609,9 +543,13 @@ class CheckpointCoordinator:
                 held = list(self._held.values())
             if held:
                 try:
-                    self._call("renew_slots", held)
+                    self._client.call("renew_slots", held)
                 except Exception as e:
                     log.warning("could not renew writer slots: %s", e)
+
+
+class _Refused(CheckpointError):
+    """The monitor refused a unit before it wrote anything."""
 
 
 def _raise_for(result: dict) -> None:

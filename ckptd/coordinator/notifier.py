@@ -17,6 +17,7 @@ class _Pending:
     waits: bool
     done: bool = False
     error: BaseException | None = None
+    result: Any = None
 
 
 class Notifier:
@@ -29,11 +30,11 @@ class Notifier:
     costs a few calls instead of one per unit.
 
     Args:
-        send: Delivers a list of events to the monitor (retrying as it sees fit); raises if
-            they could not be delivered.
+        send: Delivers a list of events to the monitor (retrying as it sees fit) and returns
+            one result per event; raises if they could not be delivered.
     """
 
-    def __init__(self, send: Callable[[list], None]) -> None:
+    def __init__(self, send: Callable[[list], list | None]) -> None:
         self._send = send
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
@@ -43,12 +44,14 @@ class Notifier:
         """Deliver ``event`` without waiting for a call in flight; failures are only logged."""
         self._submit(_Pending(event, waits=False))
 
-    def deliver(self, event: Any) -> None:
-        """Deliver ``event``; return once the monitor has it, or raise what delivery raised."""
+    def deliver(self, event: Any) -> Any:
+        """Deliver ``event``; return the monitor's answer to it once it has it, or raise what
+        delivery raised."""
         pending = _Pending(event, waits=True)
         self._submit(pending)
         if pending.error is not None:
             raise pending.error
+        return pending.result
 
     def _submit(self, pending: _Pending) -> None:
         with self._cond:
@@ -64,15 +67,17 @@ class Notifier:
             with self._cond:
                 batch, self._queue = self._queue, []
             error = None
+            results: list | None = None
             try:
-                self._send([p.event for p in batch])
+                results = self._send([p.event for p in batch])
             except BaseException as e:  # handed to every waiter in the batch
                 error = e
                 if any(not p.waits for p in batch):
                     log.warning("could not deliver notifications to the monitor: %s", e)
             with self._cond:
-                for p in batch:
+                for i, p in enumerate(batch):
                     p.done, p.error = True, error
+                    p.result = results[i] if results is not None and i < len(results) else None
                 # A thread waiting in the queue takes over; posts alone are flushed from here.
                 if not self._queue or any(p.waits for p in self._queue):
                     self._sending = False

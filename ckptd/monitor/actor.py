@@ -1,9 +1,11 @@
-"""The CheckpointMonitor Ray actor: a thin async shell over the ledger, slots and journal.
+"""The CheckpointMonitor Ray actor: a thin async shell over the ledger, the commit path, the
+writer slots and retention.
 
-The actor is asynchronous. Its request handlers only touch memory; every piece of storage I/O
-(registrations, manifests, trackers, clean-up) runs in a thread pool, so slow storage never
-delays notifications from other workers or other steps. Unit receipts are written by the
-workers themselves, which is what lets a restarted monitor rebuild its ledger from storage.
+The actor is asynchronous. Its request handlers only touch memory, except where a record must be
+durable before the caller is answered (a registration, a failure); every piece of storage I/O runs
+in a thread pool, so slow storage never delays notifications from other workers or other steps.
+Unit receipts are written by the workers themselves, which is what lets a restarted monitor
+rebuild its ledger from storage.
 """
 
 from __future__ import annotations
@@ -18,36 +20,39 @@ from typing import Any
 
 import ray
 
-from ckptd import failpoints
+from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
-from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, read_tracker, record_template, scan_steps
-from ckptd.manifest import FileEntry, build_manifest, merge_unit_files
-from ckptd.monitor import journal
-from ckptd.monitor.ledger import StepLedger, StepRecord, StepState, UnitFailure
-from ckptd.monitor.mirror import Mirror
-from ckptd.monitor.retention import PassResult, RetentionPolicy, plan_retention, run_plan
-from ckptd.monitor.shared_root import probe_visible, unshared_message, where_am_i
-from ckptd.monitor.status import (
-    MonitorStatus,
-    RetentionStatus,
-    StepStatus,
-    StorageStatus,
-    Trackers,
-    WriterSlotsStatus,
+from ckptd.errors import CheckpointConfigError
+from ckptd.layout import MANIFESTS, read_tracker, scan_steps
+from ckptd.manifest import FileEntry, Manifest
+from ckptd.monitor.attempts import (
+    FencedError,
+    check_fence,
+    clean_up_older_attempts,
+    mark_started,
+    started_before,
 )
-from ckptd.monitor.throttle import SlotRequest, WriterSlots
+from ckptd.monitor.commit import CommitCheckError, CommitPlan, Committer, Deferred
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
+from ckptd.monitor.mirror import Mirror
+from ckptd.monitor.retention import RetentionRunner
+from ckptd.monitor.slots import SlotLeases
+from ckptd.monitor.status import build_status
+from ckptd.protocol import Registration, UnitFailure, UnitId
+from ckptd.shared_root import probe_visible, unshared_message, where_am_i
 from ckptd.storage import Storage
-from ckptd.units import StepDirTemplate, UnitId, check_count, check_step
+from ckptd.template import StepDirTemplate
+from ckptd.units import check_count, check_step
 
 log = logging.getLogger("ckptd.monitor")
 
 _RETRY_BASE_S = 0.05
-_HISTORY = 1000  # deleted steps reported by status()
+_HISTORY = 1000  # unshared writers reported by status()
+_NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
 def _slot_key(unit: UnitId) -> str:
-    return f"{unit.step}/{unit.kind.value}/{unit.label}"
+    return f"{unit.step}/{unit.kind.value}/{unit.key}"
 
 
 class CheckpointMonitor:
@@ -58,50 +63,59 @@ class CheckpointMonitor:
     """
 
     def __init__(self, root: str, run: str, storage_options: dict | None, options: dict,
-                 mirror_storage_options: dict | None = None) -> None:
+                 mirror_storage_options: dict | None = None, attempt: int = 0,
+                 namespace: str | None = None) -> None:
         self._opts = MonitorOptions.parse(options)
         self._root_url = root
         self._run = run
+        self._namespace = namespace
+        self._attempt = attempt
         self._storage = Storage(root, storage_options)
         self._template = StepDirTemplate(self._opts.step_dir_template)
-        record_template(self._storage, self._template)
+        self._committer = Committer(self._storage, self._template, attempt)
         self._started_at = time.time()
-        self._ledger = StepLedger(self._opts.step_timeout_s)
-        self._slots = WriterSlots(self._opts.save_strategy)
-        self._slot_waiters: dict[str, asyncio.Future] = {}
-        self._leases: dict[str, float] = {}
+        self._ledger = StepLedger(self._opts.step_timeout_s, self._opts.unregistered_warning_s)
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()
-        self._policy = RetentionPolicy.of(self._opts)
-        self._retention_running = False
-        self._retention_again = False
-        self._retention_idle = asyncio.Event()
-        self._retention_idle.set()
-        self._retention_passes = 0
-        self._retention_deleted: list[int] = []
-        self._retention_errors: list[str] = []
         self._notifications = 0  # requests from coordinators, for throughput figures
         self._where = where_am_i()
         self._probes_checked = 0
         self._unshared: list[str] = []  # processes that do not see this monitor's root
+        self._failures_recorded: set[tuple[int, Kind]] = set()  # being recorded, or recorded
+        self._failures_durable: set[tuple[int, Kind]] = set()  # recorded: may be reported
+        self._warned: set[str] = set()
+        self._fenced: str | None = None
+        try:
+            check_fence(self._storage, attempt)
+        except FencedError as e:
+            self._fenced = str(e)
+            log.error("%s", e)
+        restarted = started_before(self._storage, attempt)
+        if not restarted and self._fenced is None:
+            clean_up_older_attempts(self._storage, attempt, self._template)
+            mark_started(self._storage, attempt)
+        self._slots = SlotLeases(self._opts.save_strategy, self._opts.slot_lease_s, restarted)
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
         ready = self._rebuild()
         self._mirror: Mirror | None = None
+        self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
+                                          self._spawn, self._in_thread, self._protected, self._cleanup)
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
-                                  self._opts.mirror, self._template, self._committed_at_start, self._schedule_retention)
+                                  self._opts.mirror, self._template, self._committed_at_start,
+                                  self._retention.schedule)
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
         for rec in ready:
-            self._spawn(self._commit(rec))
-        self._schedule_retention()
+            self._spawn(self._after_change(rec))
+        self._retention.schedule()
 
     # -- start-up ------------------------------------------------------------------------------
 
     def _rebuild(self) -> list[StepRecord]:
-        """Rebuild the ledger from storage; return the steps that are ready to commit.
+        """Rebuild the ledger from storage; return the steps to look at once the loop runs.
 
         Runs once, before the actor serves any request, so blocking I/O is fine here.
         """
@@ -111,38 +125,50 @@ class CheckpointMonitor:
         self._committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
         for step, entry in scanned.items():
             for kind in entry.kinds:
-                self._ledger.mark_committed(step, kind, now)
+                manifest = None
+                if kind is SD and Kind.CHECKPOINT not in entry.kinds:
+                    # Only a state dict whose full checkpoint may still come needs its units and files.
+                    text = self._storage.read_text_or_none(self._storage.join(entry.name, MANIFESTS[kind]))
+                    manifest = Manifest.model_validate_json(text) if text else None
+                self._ledger.mark_committed(step, kind, now, manifest and manifest.units,
+                                            manifest and manifest.files)
                 newest[kind] = max(newest.get(kind, -1), step)
-        # A monitor that died between the manifest and the tracker left a committed step the
-        # tracker does not point at yet: move the trackers forward to what is committed.
-        newest[Kind.STATE_DICT] = max(newest.get(Kind.STATE_DICT, -1), newest.get(Kind.CHECKPOINT, -1))
-        for kind, step in newest.items():
-            current = self._trackers[kind]
-            if step >= 0 and (current is None or step > current):
-                self._write_tracker(kind, step)
-                self._trackers[kind] = step
-        ready = []
-        for pending in journal.load_pending(self._storage):
-            if self._ledger.is_committed(pending.step, pending.kind):
-                self._io.submit(self._cleanup, pending.step, pending.kind)
+        newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
+        if self._fenced is None:
+            self._repair_trackers(newest)
+        steps = []
+        for pending in protocol.load_pending(self._storage, self._attempt):
+            if self._ledger.is_committed(pending.step, Kind.CHECKPOINT):
+                self._io.submit(self._cleanup, pending.step)
                 continue
-            first_seen = pending.first_seen() or now
-            if pending.count is not None:
-                self._ledger.register(pending.step, pending.kind, pending.count, first_seen)
+            for reg in pending.registrations:
+                self._ledger.register(reg, replay=True)
             for unit, (t, files) in pending.finished.items():
                 self._ledger.finish(unit, files, t)
             for unit, (t, failure) in pending.failed.items():
                 self._ledger.fail(unit, failure, t)
-            rec = self._ledger.get(pending.step, pending.kind)
+            rec = self._ledger.get(pending.step)
             if rec is None:
                 continue
-            rec.first_seen = min(rec.first_seen, first_seen)
-            if pending.failure_reason:
-                self._ledger.fail_step(rec, pending.failure_reason)
-            if self._ledger.is_ready(rec):
-                ready.append(rec)
-        self._ledger.prune(self._opts.status_history)
-        return ready
+            rec.first_seen = min(rec.first_seen, pending.first_seen() or now)
+            for kind, reason in pending.failure_reasons.items():
+                self._ledger.fail_kind(rec, kind, reason)
+                self._failures_recorded.add((pending.step, kind))
+                self._failures_durable.add((pending.step, kind))
+            steps.append(rec)
+        return steps
+
+    def _repair_trackers(self, newest: dict[Kind, int]) -> None:
+        """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
+        edited by hand (or left by a retirement) may name a step that is not committed. Both are
+        set to the newest committed step."""
+        for kind, step in newest.items():
+            current = self._trackers[kind]
+            if step < 0 or current == step:
+                continue
+            if current is None or current < step or not self._ledger.is_committed(current, kind):
+                self._committer.write_tracker(kind, step)
+                self._trackers[kind] = step
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_event_loop().create_task(coro)
@@ -155,8 +181,9 @@ class CheckpointMonitor:
     # -- requests ------------------------------------------------------------------------------
 
     async def ping(self) -> dict:
-        """Who is answering: the process and when it started (changes on restart)."""
-        return {"pid": os.getpid(), "started_at": self._started_at}
+        """Who is answering: the process, when it started (changes on restart), the attempt."""
+        return {"pid": os.getpid(), "started_at": self._started_at, "attempt": self._attempt,
+                "root": self._storage.url, "run": self._run}
 
     async def worker_config(self) -> dict:
         """What a coordinator needs to write receipts and honour throttling."""
@@ -164,6 +191,8 @@ class CheckpointMonitor:
             "root": self._root_url,
             "storage_options": self._storage.storage_options,
             "run": self._run,
+            "namespace": self._namespace,
+            "attempt": self._attempt,
             "save_strategy": self._opts.save_strategy.value,
             "step_dir_template": self._template.template,
             "slot_lease_s": self._opts.slot_lease_s,
@@ -172,7 +201,7 @@ class CheckpointMonitor:
 
     async def check_shared_root(self, rel: str, token: str, writer: str) -> dict:
         """Read back a probe file that ``writer`` wrote under the root (see
-        :mod:`ckptd.monitor.shared_root`). Returns ``{"error": None}`` or ``{"error": message}``."""
+        :mod:`ckptd.shared_root`). Returns ``{"error": None}`` or ``{"error": message}``."""
         self._probes_checked += 1
         try:
             visible = await self._in_thread(probe_visible, self._storage, rel, token)
@@ -186,129 +215,110 @@ class CheckpointMonitor:
         self._unshared = (self._unshared + [writer])[-_HISTORY:]
         return {"error": message}
 
-    async def register(self, step: int, counts: dict[str, int], monitored: str) -> dict:
-        """Register how many units each kind of ``step`` expects.
+    async def register(self, step: int, counts: dict[str, int], monitored: str, reg_id: str) -> dict:
+        """Add unit counts to ``step`` and ask for its ``monitored`` kind to be committed.
 
-        Returns ``{"error": None}`` on success, or ``{"error": {...}}`` describing a conflict,
-        bad input, or a failure of the step, which the coordinator raises as an exception.
+        Registrations of a step add up; ``reg_id`` makes a retried call count once. Returns
+        ``{"error": None}``, or ``{"error": {...}}`` describing bad input or a failure of the
+        step, which the coordinator raises as an exception.
         """
         self._notifications += 1
         try:
-            step = check_step(step)
-            parsed = {Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()}
-            monitored_kind = Kind(monitored)
-            todo = {k: n for k, n in parsed.items() if n > 0}
-            known = self._ledger.get(step, monitored_kind) is not None
-            if not todo and not known and not self._ledger.is_committed(step, monitored_kind):
-                raise CheckpointConfigError(
-                    f"register_and_monitor(global_step={step}) got no unit counts and step {step} "
-                    f"has no {monitored_kind.value} registration; pass state_dict_thread_count or "
-                    "checkpoint_thread_count (the total number of save units of the step)"
-                )
-            for kind, n in todo.items():  # validate everything before changing anything
-                if not self._ledger.is_committed(step, kind):
-                    self._ledger.check_registration(step, kind, n)
+            reg = Registration(
+                reg_id=reg_id, step=check_step(step), monitored=Kind(monitored), at=time.time(),
+                counts={Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()},
+            )
+            self._ledger.check_registration(reg)
         except (CheckpointConfigError, ValueError) as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
-        now = time.time()
-        for kind, n in todo.items():
-            if self._ledger.is_committed(step, kind):
-                continue
-            rec = self._ledger.register(step, kind, n, now)
+        rec = self._ledger.get(reg.step)
+        if rec is None or reg.reg_id not in rec.registrations:
             # Durable before acknowledged: a restarted monitor must still know what to expect.
-            await self._in_thread(journal.write_registration, self._storage, step, kind, n,
-                                  rec.registered_at or now)
-            self._after_change(rec)
-        for kind in {monitored_kind, *todo}:
-            failure = self._ledger.failure_of(step, kind)
+            await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
+            rec = self._ledger.register(reg)
+            await self._after_change(rec)
+        for kind in {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}:
+            failure = self._ledger.failure_of(reg.step, kind)
             if failure is not None:
                 unit, cause = failure
-                return {"error": {"type": "CheckpointSaveError", "step": step, "kind": kind.value,
+                return {"error": {"type": "CheckpointSaveError", "step": reg.step, "kind": kind.value,
                                   "unit": unit, "cause": cause}}
         return {"error": None}
 
-    async def notify_started(self, unit: dict) -> None:
-        self._notifications += 1
-        self._ledger.start(UnitId.from_dict(unit), time.time())
+    async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> list[dict | None]:
+        """Several notifications in one call, applied in order; one result each.
 
-    async def notify_finished(self, unit: dict, files: list[dict]) -> None:
-        self._notifications += 1
-        uid = UnitId.from_dict(unit)
-        rec = self._ledger.finish(uid, [FileEntry(**f) for f in files], time.time())
-        self._release(_slot_key(uid))
-        self._after_change(rec)
-
-    async def notify_failed(self, unit: dict, failure: dict) -> None:
-        self._notifications += 1
-        uid = UnitId.from_dict(unit)
-        rec = self._ledger.fail(uid, UnitFailure(**failure), time.time())
-        self._release(_slot_key(uid))
-        self._after_change(rec)
-
-    async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> None:
-        """Several notifications in one call, applied in order: ``("started", unit, None)``,
-        ``("finished", unit, files)`` or ``("failed", unit, failure)``. Coordinators batch what
-        their save threads report at the same moment, which saves Ray calls under load."""
+        ``("started", unit, None)`` asks whether the unit may write: ``{"refused": why}`` if its
+        step is committed or failed, else ``{"admitted": True}``. ``("finished", unit, files)``
+        answers ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile,
+        or it changed a committed file), else None. ``("failed", unit, failure)`` answers None.
+        """
+        results = []
         for event, unit, payload in events:
+            self._notifications += 1
+            uid = UnitId.from_dict(unit)
             if event == "started":
-                await self.notify_started(unit)
+                why = self._admit(uid)
+                results.append({"refused": why} if why else {"admitted": True})
             elif event == "finished":
-                await self.notify_finished(unit, payload)
+                results.append(await self._finished(uid, [FileEntry(**f) for f in payload]))
             elif event == "failed":
-                await self.notify_failed(unit, payload)
+                await self._failed(uid, UnitFailure(**payload))
+                results.append(None)
             else:
                 log.error("ignoring unknown notification %r", event)
+                results.append(None)
+        return results
+
+    def _admit(self, uid: UnitId) -> str | None:
+        if self._fenced is not None:
+            return self._fenced
+        return self._ledger.admit(uid, time.time())
+
+    async def _finished(self, uid: UnitId, files: list[FileEntry]) -> dict | None:
+        self._slots.release(_slot_key(uid))
+        rec = self._ledger.get(uid.step)
+        why = None if rec is None else self._changed_committed_file(rec, uid, files)
+        if why is not None:
+            await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
+            return {"refused": why}
+        rec, why = self._ledger.finish(uid, files, time.time())
+        if rec is not None:
+            await self._after_change(rec)
+        return None if why is None else {"refused": why}
+
+    def _changed_committed_file(self, rec: StepRecord, uid: UnitId, files: list[FileEntry]) -> str | None:
+        """Why a unit that wrote into a step with a committed state dict broke that commit."""
+        committed = rec[SD].committed_files
+        for f in files:
+            old = committed.get(f.path)
+            if old is not None and (old.size, old.crc32) != (f.size, f.crc32):
+                return (f"unit {uid.label} rewrote {f.path} of step {uid.step} with other content, but the "
+                        "step's committed state dict lists that file: committed files must not change. "
+                        "Write the full checkpoint's files under other names, or save into a new step")
+        return None
+
+    async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
+        self._slots.release(_slot_key(uid))
+        rec = self._ledger.fail(uid, failure, time.time())
+        await self._after_change(rec)
 
     async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
-        """Wait for a writer slot. Returns ``{"granted": True}``, or ``{"aborted": cause}`` when
-        the unit's step failed meanwhile (nothing should be written for it then)."""
+        """Admit the unit, then wait for a writer slot. Returns ``{"granted": True}``, or
+        ``{"aborted": cause}`` when the unit may not write (its step is committed or failed)."""
         self._notifications += 1
         uid = UnitId.from_dict(unit)
-        key = _slot_key(uid)
-        self._ledger.start(uid, time.time())
-        failure = self._ledger.failure_of(uid.step, uid.kind)
-        if failure is not None:
-            return {"aborted": failure[1]}
-        if not self._slots.holds(key):
-            fut = self._slot_waiters.get(key)
-            if fut is None or fut.done():
-                fut = asyncio.get_running_loop().create_future()
-                self._slot_waiters[key] = fut
-            self._grant(self._slots.request(SlotRequest(key, node, process)))
-            result = await asyncio.shield(fut)
-            if "aborted" in result:
-                return result
-        self._leases[key] = time.monotonic() + self._opts.slot_lease_s
-        return {"granted": True}
+        why = self._admit(uid)
+        if why is not None:
+            return {"aborted": why}
+        return await self._slots.acquire(_slot_key(uid), node, process)
 
     async def renew_slots(self, held: list[tuple[str, str, str]]) -> None:
         """Extend the leases of slots a coordinator still holds (its writers are alive)."""
-        deadline = time.monotonic() + self._opts.slot_lease_s
-        for key, node, process in held:
-            if not self._slots.holds(key) and key not in self._slots.waiting():
-                # A writer granted by the monitor before it restarted: count it again.
-                self._slots.adopt(SlotRequest(key, node, process))
-            if self._slots.holds(key):
-                self._leases[key] = deadline
+        self._slots.renew(held)
 
-    async def status(self) -> MonitorStatus:
-        return MonitorStatus(
-            run=self._run,
-            root=self._storage.url,
-            trackers=Trackers(checkpoint=self._trackers[Kind.CHECKPOINT],
-                              state_dict=self._trackers[Kind.STATE_DICT]),
-            steps=[StepStatus.of(r) for r in self._ledger.records()],
-            writers=WriterSlotsStatus(strategy=self._opts.save_strategy,
-                                      holders=self._slots.holders(), waiting=self._slots.waiting()),
-            retention=RetentionStatus(passes=self._retention_passes,
-                                      deleted_steps=list(self._retention_deleted),
-                                      errors=list(self._retention_errors)),
-            notifications=self._notifications,
-            storage=StorageStatus(commit_strategy=self._storage.commit.name, monitor=self._where,
-                                  probes_checked=self._probes_checked, unshared=list(self._unshared)),
-            mirror=None if self._mirror is None else self._mirror.status(),
-            started_at=self._started_at,
-        )
+    async def status(self):
+        return build_status(self)
 
     async def wait_committed(self, step: int, kind: str = "checkpoint", timeout_s: float | None = None) -> dict:
         """Wait until (step, kind) is committed or failed.
@@ -320,16 +330,13 @@ class CheckpointMonitor:
         """
         k = Kind(kind)
         newest = self._trackers[k]
-        if self._ledger.get(step, k) is None and not self._settled(step, k) and newest is not None and step < newest:
-            # Nothing in flight, and older than what is committed: it was deleted by retention
-            # before this monitor started, or never saved. Waiting would only time out.
+        if self._ledger.state_of(step, k) is None and newest is not None and step < newest:
             return {"committed": False, "unit": None, "unknown": True,
                     "cause": f"step {step} is unknown to the monitor: no save of it is in flight and it is older "
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
-        event = self._event(step, k)
         if not self._settled(step, k):
             try:
-                await asyncio.wait_for(event.wait(), timeout_s)
+                await asyncio.wait_for(self._event(step, k).wait(), timeout_s)
             except asyncio.TimeoutError:
                 return {"committed": False, "unit": None, "cause": None}
         failure = self._ledger.failure_of(step, k)
@@ -353,6 +360,20 @@ class CheckpointMonitor:
         if self._mirror is not None:
             self._mirror.retry_now()
 
+    async def wait_retention(self, timeout_s: float | None = None) -> bool:
+        """Wait until no retention pass is running or due, on the root and on the mirror; False if
+        ``timeout_s`` ran out first."""
+        async def idle() -> None:
+            await self._retention.idle.wait()
+            if self._mirror is not None:
+                await self._mirror.retention_idle.wait()
+
+        try:
+            await asyncio.wait_for(idle(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     # -- commit --------------------------------------------------------------------------------
 
     def _event(self, step: int, kind: Kind) -> asyncio.Event:
@@ -364,194 +385,129 @@ class CheckpointMonitor:
         return event
 
     def _settled(self, step: int, kind: Kind) -> bool:
-        return self._ledger.is_committed(step, kind) or self._ledger.failure_of(step, kind) is not None
+        state = self._ledger.state_of(step, kind)
+        if state is StepState.FAILED:
+            return (step, kind) in self._failures_durable
+        return state is StepState.COMMITTED
 
-    def _after_change(self, rec: StepRecord) -> None:
-        if self._ledger.is_ready(rec):
-            self._ledger.begin_commit(rec, time.time())
-            self._spawn(self._commit(rec))
-        elif rec.state is StepState.FAILED:
-            self._on_failed(rec)
-
-    def _on_failed(self, rec: StepRecord) -> None:
-        self._abort_waiters(rec.step, rec.kind, rec.failure_summary()[1])
-        event = self._events.pop(rec.key, None)
+    def _wake(self, step: int, kind: Kind) -> None:
+        event = self._events.pop((step, kind), None)
         if event is not None:
             event.set()
 
-    async def _commit(self, rec: StepRecord) -> None:
-        if rec.state is StepState.PENDING:
-            self._ledger.begin_commit(rec, time.time())
-        finished = dict(rec.finished)
+    async def _after_change(self, rec: StepRecord) -> None:
+        """Start the commits the step is ready for; make new failures durable, then report them."""
+        kinds = self._ledger.ready(rec)
+        if kinds:
+            self._ledger.begin_commit(rec, kinds, time.time())
+            self._spawn(self._commit(rec, kinds))
+        for kind in Kind:
+            if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
+                await self._record_failure(rec, kind)
+
+    async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
+        key = (rec.step, kind)
+        self._failures_recorded.add(key)  # before the await: one record per failure
+        reason = rec[kind].reason or "failed"
         try:
-            await self._retrying(self._write_manifest, rec.step, rec.kind, finished)
+            await self._in_thread(protocol.write_step_failure, self._storage, self._attempt, rec.step, kind, reason)
         except Exception as e:
-            reason = f"commit failed after {self._opts.commit_retries + 1} attempts: {type(e).__name__}: {e}"
-            log.error("step %d (%s): %s", rec.step, rec.kind.value, reason)
-            self._ledger.fail_step(rec, reason)
-            self._on_failed(rec)
-            await self._record_step_failure(rec, reason)
+            # The unit's own failure receipt (if any) still keeps the step from committing after a
+            # restart; a timeout or commit failure would be found again by the restarted monitor.
+            log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
+        self._failures_durable.add(key)
+        log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
+        self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
+        self._wake(rec.step, kind)
+
+    def _plan(self, rec: StepRecord, kinds: list[Kind]) -> CommitPlan:
+        reports = {key: u.files for key, u in rec.units.items() if u.files is not None}
+        sd_units = [u.unit.key for u in rec.counted(SD) if u.files is not None]
+        return CommitPlan(
+            step=rec.step, kinds=kinds, reports=reports, sd_units=set(sd_units),
+            units={SD: sd_units, Kind.CHECKPOINT: sorted(reports)},
+            take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
+            registered={k: rec[k].expected for k in Kind},
+        )
+
+    async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
+        plan = self._plan(rec, kinds)
+        try:
+            manifests = await self._retrying(self._committer.commit, plan)
+        except Deferred:
+            log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
+            self._ledger.defer(rec, SD)
+            await self._after_change(rec)  # the units it waits for may have finished meanwhile
+            return
+        except Exception as e:
+            if isinstance(e, FencedError):
+                self._fenced = str(e)
+            tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
+            reason = f"commit failed{tries}: {type(e).__name__}: {e}"
+            for kind in kinds:
+                self._ledger.fail_kind(rec, kind, reason)
+            await self._after_change(rec)
             return
         # The manifest makes the step committed for readers; the trackers only point at it. A
         # tracker that cannot be advanced does not uncommit the step (the next commit, or the
         # next start-up, moves it forward). Waiters are released only after both, so that
         # latest_step() agrees with wait_committed().
         try:
-            await self._advance_trackers(rec.step, rec.kind)
+            await self._advance_trackers(rec.step, Kind.CHECKPOINT if Kind.CHECKPOINT in kinds else SD)
         except Exception as e:
-            rec.reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
-            log.error("step %d (%s): %s", rec.step, rec.kind.value, rec.reason)
-        self._ledger.commit_done(rec, time.time())
-        event = self._events.pop(rec.key, None)
-        if event is not None:
-            event.set()
-        self._ledger.prune(self._opts.status_history)
-        if self._mirror is not None and (self._mirror.mirrors(rec.kind)
+            for kind in kinds:
+                rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
+            log.error("step %d: %s", rec.step, rec[kinds[0]].reason)
+        now = time.time()
+        for kind in kinds:
+            self._ledger.commit_done(rec, kind, now, plan.units[kind], manifests[kind].files)
+            self._wake(rec.step, kind)
+        if self._mirror is not None and (any(self._mirror.mirrors(k) for k in kinds)
                                          or self._ledger.is_committed(rec.step, Kind.CHECKPOINT)):
             # Before retention runs: the step is protected until mirrored. A state dict committed
             # after its step's checkpoint goes up too: readers of the step see both manifests.
             self._mirror.enqueue(rec.step)
-        # Best-effort clean-up: leftovers of a committed step are ignored by every reader and
-        # removed again at the next start-up, so a failure here is only logged.
-        self._io.submit(self._cleanup, rec.step, rec.kind)
-        self._schedule_retention()
+        if Kind.CHECKPOINT in kinds:
+            # Best-effort: records of a committed step are ignored and removed again at start-up.
+            self._io.submit(self._cleanup, rec.step)
+        self._ledger.prune(self._opts.status_history)
+        self._retention.schedule()
+        await self._after_change(rec)  # the checkpoint may have waited for this state dict
 
     async def _retrying(self, fn, *args) -> Any:
         for attempt in range(self._opts.commit_retries + 1):
             try:
                 return await self._in_thread(fn, *args)
+            except _NOT_RETRIED:
+                raise
             except Exception as e:
                 if attempt == self._opts.commit_retries:
                     raise
                 log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
                 await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
 
-    def _write_manifest(self, step: int, kind: Kind, finished: dict[str, list[FileEntry]]) -> None:
-        failpoints.hit("before_manifest")
-        name = find_step_dir(self._storage, step, self._template)
-        if name is None:
-            raise CheckpointError(
-                f"no directory of step {step} matches {self._template.template!r}: its save units "
-                "wrote no files, and the directory name needs the epoch"
-            )
-        step_path = self._storage.join(name)
-        files = merge_unit_files(self._storage, step_path, finished)
-        manifest = build_manifest(step, kind, list(finished), files)
-        self._storage.makedirs(step_path)
-        self._storage.write_atomic(f"{step_path}/{MANIFESTS[kind]}",
-                                   manifest.to_bytes())
-
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
         # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
-        kinds = (Kind.CHECKPOINT, Kind.STATE_DICT) if kind is Kind.CHECKPOINT else (Kind.STATE_DICT,)
+        kinds = (Kind.CHECKPOINT, SD) if kind is Kind.CHECKPOINT else (SD,)
         async with self._tracker_lock:  # trackers only move forward, one writer at a time
             for k in kinds:
                 current = self._trackers[k]
                 if current is not None and step <= current:
                     continue
-                await self._retrying(self._write_tracker, k, step)
+                await self._retrying(self._committer.advance_tracker, k, step)
                 self._trackers[k] = step
 
-    def _write_tracker(self, kind: Kind, step: int) -> None:
-        self._storage.write_atomic(self._storage.join(TRACKERS[kind]), f"{step}\n".encode(),
-                                   before_publish=partial(failpoints.hit, "before_tracker_rename"))
-
-    def _cleanup(self, step: int, kind: Kind) -> None:
+    def _cleanup(self, step: int) -> None:
         try:
-            journal.remove_pending(self._storage, step, kind)
+            protocol.remove_step_records(self._storage, self._attempt, step)
         except Exception as e:
-            log.warning("could not remove ledger records of step %d (%s): %s", step, kind.value, e)
+            log.warning("could not remove ledger records of step %d: %s", step, e)
 
-    async def _record_step_failure(self, rec: StepRecord, reason: str) -> None:
-        try:
-            await self._in_thread(journal.write_step_failure, self._storage, rec.step, rec.kind, reason)
-        except Exception as e:
-            # The step is failed in memory and uncommitted in storage either way; without this
-            # record a restarted monitor would only time the step out again.
-            log.error("could not record the failure of step %d (%s): %s", rec.step, rec.kind.value, e)
-
-    # -- retention -----------------------------------------------------------------------------
-
-    async def wait_retention(self, timeout_s: float | None = None) -> bool:
-        """Wait until no retention pass is running or due, on the root and on the mirror; False if
-        ``timeout_s`` ran out first."""
-        async def idle() -> None:
-            await self._retention_idle.wait()
-            if self._mirror is not None:
-                await self._mirror.retention_idle.wait()
-
-        try:
-            await asyncio.wait_for(idle(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-    def _schedule_retention(self) -> None:
-        if self._retention_running:
-            self._retention_again = True  # one more pass after this one sees the new commit
-            return
-        self._retention_running = True
-        self._retention_idle.clear()
-        self._spawn(self._retention_loop())
-
-    async def _retention_loop(self) -> None:
-        try:
-            while True:
-                self._retention_again = False
-                # What is protected is read here, on the event loop, before the scan: a step
-                # that starts saving after this is newer than the newest commit, or still being
-                # written (so not idle), and is left alone either way.
-                in_flight = self._ledger.in_flight_steps()
-                protected = in_flight | {s for s in self._trackers.values() if s is not None}
-                if self._mirror is not None:
-                    protected |= self._mirror.protected()
-                failed = self._ledger.failed_steps() - in_flight
-                try:
-                    result = await self._in_thread(self._retention_pass, protected, failed)
-                    self._retention_deleted = (self._retention_deleted + result.deleted)[-_HISTORY:]
-                    self._retention_errors = result.errors
-                except Exception as e:  # best-effort: the next commit runs another pass
-                    log.warning("retention pass failed: %s: %s", type(e).__name__, e)
-                    self._retention_errors = [f"{type(e).__name__}: {e}"]
-                self._retention_passes += 1
-                if not self._retention_again:
-                    break
-        finally:
-            self._retention_running = False
-            self._retention_idle.set()
-
-    def _retention_pass(self, protected: set[int], failed: set[int]) -> PassResult:
-        entries = scan_steps(self._storage, self._template)
-        plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
-        result = run_plan(self._storage, plan, self._opts.leftover_grace_s)
-        for entry in plan.leftovers_failed:
-            if entry.step in result.deleted:
-                for kind in Kind:
-                    self._cleanup(entry.step, kind)
-        return result
-
-    # -- writer slots --------------------------------------------------------------------------
-
-    def _grant(self, keys: list[str]) -> None:
-        for key in keys:
-            fut = self._slot_waiters.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.set_result({"granted": True})
-
-    def _release(self, key: str) -> None:
-        self._leases.pop(key, None)
-        fut = self._slot_waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result({"aborted": "the unit reported its outcome before it was granted a slot"})
-        self._grant(self._slots.release(key))
-
-    def _abort_waiters(self, step: int, kind: Kind, cause: str) -> None:
-        prefix = f"{step}/{kind.value}/"
-        for key in [k for k in self._slot_waiters if k.startswith(prefix)]:
-            fut = self._slot_waiters.pop(key)
-            if not fut.done():
-                fut.set_result({"aborted": cause})
-            self._grant(self._slots.release(key))
+    def _protected(self) -> set[int]:
+        protected = self._ledger.in_flight_steps() | {s for s in self._trackers.values() if s is not None}
+        if self._mirror is not None:
+            protected |= self._mirror.protected()
+        return protected
 
     # -- housekeeping --------------------------------------------------------------------------
 
@@ -560,19 +516,20 @@ class CheckpointMonitor:
         while True:
             await asyncio.sleep(period)
             try:
-                for rec in self._ledger.expire(time.time()):
-                    log.error("step %d (%s) failed: %s", rec.step, rec.kind.value, rec.reason)
-                    self._on_failed(rec)
-                    await self._record_step_failure(rec, rec.reason or "timed out")
-                now = time.monotonic()
-                for key in [k for k, t in self._leases.items() if t < now]:
-                    log.warning("writer slot %s expired: its writer stopped renewing it", key)
-                    self._release(key)
+                for rec, _kind in self._ledger.expire(time.time()):
+                    await self._after_change(rec)
+                self._slots.expire()
+                self._warn()
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")
+
+    def _warn(self) -> None:
+        warnings = self._ledger.warnings(time.time())
+        for w in set(warnings) - self._warned:
+            log.warning("%s", w)
+        self._warned = set(warnings)
 
 
 def monitor_actor_class():
     """The Ray actor class (built lazily so that importing ckptd does not need Ray running)."""
     return ray.remote(CheckpointMonitor)
-

@@ -1,8 +1,22 @@
 """The step ledger and the commit rule: plain Python, no Ray, no I/O.
 
-Step S of kind K may be committed exactly when the expected unit count for (S, K) has been
-registered, that many distinct units have finished, and none has failed. Notifications may
-arrive in any order and more than once; a duplicate counts once.
+These are Trinity-RFT's CheckpointMonitor semantics, made exact:
+
+* Registrations of a step add up per kind; a registration carries an id, so a retried call
+  counts once. ``register(S, monitored=K)`` also asks for kind K of S to be committed.
+* Every save call is one unit (:class:`~ckptd.protocol.UnitId`); a retried notification of the
+  same call counts once.
+* The state dict of S commits when it is asked for (monitored as a state dict, or as a full
+  checkpoint), at least one state-dict unit is registered, all registered state-dict units have
+  finished, none is still running and none failed.
+* The checkpoint of S commits when it is asked for, all registered units of S of both kinds have
+  finished, none is running and none failed. Its commit moves both trackers.
+* Once the state dict of S is committed, state-dict units of S may still come (Trinity's full
+  checkpoint wraps the engine's save in one): they count toward the full checkpoint of S only.
+  Once the checkpoint of S is committed, nothing more is admitted.
+* More units than registered do not fail a step (a later registration may add the count, as
+  Trinity's counters allow); they hold it, are flagged by :meth:`StepLedger.warnings`, and the
+  step fails at its timeout.
 """
 
 from __future__ import annotations
@@ -10,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict
-
 from ckptd.config import Kind
-from ckptd.errors import RegistrationConflictError
+from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.manifest import FileEntry
-from ckptd.units import UnitId
+from ckptd.protocol import Registration, UnitFailure, UnitId
+
+SD, CKPT = Kind.STATE_DICT, Kind.CHECKPOINT
 
 
 class StepState(str, Enum):
@@ -25,227 +39,351 @@ class StepState(str, Enum):
     FAILED = "failed"
 
 
-class UnitFailure(BaseModel):
-    """Why a unit failed: the exception's type, message and formatted traceback."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    unit: str
-    error_type: str
-    message: str
-    traceback: str = ""
+@dataclass
+class UnitRecord:
+    unit: UnitId
+    seen_at: float
+    files: list[FileEntry] | None = None  # set once finished
+    failure: UnitFailure | None = None
+    after_sd_commit: bool = False  # a state-dict unit that counts toward the full checkpoint only
 
     @property
-    def cause(self) -> str:
-        return f"{self.error_type}: {self.message}"
+    def running(self) -> bool:
+        return self.files is None and self.failure is None
+
+
+@dataclass
+class KindRecord:
+    kind: Kind
+    expected: int = 0
+    monitored: bool = False
+    registered_at: float | None = None
+    state: StepState = StepState.PENDING
+    reason: str | None = None
+    failed_unit: str | None = None
+    ready_at: float | None = None
+    committed_at: float | None = None
+    committed_units: set[str] = field(default_factory=set)  # unit keys in the committed manifest
+    committed_files: dict[str, FileEntry] = field(default_factory=dict)  # what that manifest lists
+    deferred: bool = False  # a commit waits for the other kind's running units (see the commit path)
+
+    @property
+    def settled(self) -> bool:
+        return self.state in (StepState.COMMITTED, StepState.FAILED)
 
 
 @dataclass
 class StepRecord:
     step: int
-    kind: Kind
     first_seen: float
-    expected: int | None = None
-    registered_at: float | None = None
-    started: set[str] = field(default_factory=set)
-    finished: dict[str, list[FileEntry]] = field(default_factory=dict)
-    failed: dict[str, UnitFailure] = field(default_factory=dict)
-    state: StepState = StepState.PENDING
-    reason: str | None = None
-    ready_at: float | None = None  # when the commit rule was met (the last unit reported)
-    committed_at: float | None = None
+    kinds: dict[Kind, KindRecord] = field(default_factory=lambda: {k: KindRecord(k) for k in Kind})
+    units: dict[str, UnitRecord] = field(default_factory=dict)
+    registrations: set[str] = field(default_factory=set)
+    last_unit_at: float | None = None
 
-    @property
-    def key(self) -> tuple[int, Kind]:
-        return (self.step, self.kind)
+    def __getitem__(self, kind: Kind) -> KindRecord:
+        return self.kinds[kind]
 
-    def units_seen(self) -> set[str]:
-        # start(), finish() and fail() all record the unit in ``started``; no union needed,
-        # which keeps a notification O(1) however many units a step has.
-        return self.started
+    def active(self, kind: Kind) -> bool:
+        """Whether the kind has anything to report: registrations, units or an outcome."""
+        k = self.kinds[kind]
+        return k.expected > 0 or k.monitored or k.state is not StepState.PENDING or any(
+            u.unit.kind is kind for u in self.units.values())
 
-    def failure_summary(self) -> tuple[str | None, str]:
-        """(failed unit or None, cause) for a failed step."""
-        if self.failed:
-            unit, failure = sorted(self.failed.items())[0]
-            return unit, failure.cause
-        return None, self.reason or "unknown reason"
+    def counted(self, kind: Kind) -> list[UnitRecord]:
+        """Units that count toward ``kind``: the state dict counts only units admitted before its
+        commit; the checkpoint counts every unit of the step."""
+        if kind is SD:
+            return [u for u in self.units.values() if u.unit.kind is SD and not u.after_sd_commit]
+        return list(self.units.values())
+
+    def running(self, kinds: tuple[Kind, ...] = (SD, CKPT)) -> list[UnitRecord]:
+        return [u for u in self.units.values() if u.running and u.unit.kind in kinds]
+
+    def finished(self, kind: Kind) -> dict[str, list[FileEntry]]:
+        """Unit key -> files, of every finished unit of ``kind`` (after-commit ones included)."""
+        return {key: u.files for key, u in self.units.items() if u.unit.kind is kind and u.files is not None}
 
 
 class StepLedger:
-    """Per (step, kind): the registration, the units seen, and the step's state.
+    """Per step: registrations, units and the state of each kind.
 
     Args:
-        step_timeout_s: A step not committed this long after it was first seen (registration
-            or any notification) is failed by :meth:`expire`.
+        step_timeout_s: A kind not settled this long after its step was first seen fails.
+        unregistered_warning_s: A finished unit whose kind nobody registered (or asked to commit)
+            this long is flagged by :meth:`warnings`.
     """
 
-    def __init__(self, step_timeout_s: float) -> None:
+    def __init__(self, step_timeout_s: float, unregistered_warning_s: float = 60.0) -> None:
         self.step_timeout_s = step_timeout_s
-        self._records: dict[tuple[int, Kind], StepRecord] = {}
+        self.unregistered_warning_s = unregistered_warning_s
+        self._records: dict[int, StepRecord] = {}
         # Steps dropped from the detailed records (see prune): enough to answer late callers.
-        self._retired_committed: set[tuple[int, Kind]] = set()
-        self._retired_failed: dict[tuple[int, Kind], tuple[str | None, str]] = {}
+        self._retired: dict[tuple[int, Kind], tuple[StepState, str | None, str | None]] = {}
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def get(self, step: int, kind: Kind) -> StepRecord | None:
-        return self._records.get((step, kind))
+    def get(self, step: int) -> StepRecord | None:
+        return self._records.get(step)
 
     def records(self) -> list[StepRecord]:
-        return sorted(self._records.values(), key=lambda r: (r.step, r.kind.value))
+        return [self._records[s] for s in sorted(self._records)]
+
+    def state_of(self, step: int, kind: Kind) -> StepState | None:
+        rec = self._records.get(step)
+        if rec is not None:
+            return rec[kind].state
+        retired = self._retired.get((step, kind))
+        return retired[0] if retired else None
 
     def is_committed(self, step: int, kind: Kind) -> bool:
-        rec = self._records.get((step, kind))
-        if rec is not None:
-            return rec.state is StepState.COMMITTED
-        return (step, kind) in self._retired_committed
+        return self.state_of(step, kind) is StepState.COMMITTED
 
     def failure_of(self, step: int, kind: Kind) -> tuple[str | None, str] | None:
-        """(unit, cause) if the step failed, else None."""
-        rec = self._records.get((step, kind))
+        """(unit, cause) if the kind of the step failed, else None."""
+        rec = self._records.get(step)
         if rec is not None:
-            return rec.failure_summary() if rec.state is StepState.FAILED else None
-        return self._retired_failed.get((step, kind))
+            k = rec[kind]
+            return (k.failed_unit, k.reason or "unknown reason") if k.state is StepState.FAILED else None
+        retired = self._retired.get((step, kind))
+        if retired and retired[0] is StepState.FAILED:
+            return retired[1], retired[2] or "unknown reason"
+        return None
 
     def in_flight_steps(self) -> set[int]:
-        """Steps with a kind still pending or committing."""
-        return {r.step for r in self._records.values() if r.state in (StepState.PENDING, StepState.COMMITTING)}
+        """Steps with an active kind that is not settled yet."""
+        return {r.step for r in self._records.values()
+                if any(r.active(k) and not r[k].settled for k in Kind)}
 
     def failed_steps(self) -> set[int]:
-        """Steps with a kind that failed (including those dropped from the detailed records)."""
-        failed = {r.step for r in self._records.values() if r.state is StepState.FAILED}
-        return failed | {step for step, _ in self._retired_failed}
+        failed = {r.step for r in self._records.values() if any(r[k].state is StepState.FAILED for k in Kind)}
+        return failed | {s for (s, _), v in self._retired.items() if v[0] is StepState.FAILED}
 
-    def _record(self, step: int, kind: Kind, now: float) -> StepRecord:
-        rec = self._records.get((step, kind))
+    def _record(self, step: int, now: float) -> StepRecord:
+        rec = self._records.get(step)
         if rec is None:
-            rec = StepRecord(step=step, kind=kind, first_seen=now)
-            if (step, kind) in self._retired_committed:
-                rec.state = StepState.COMMITTED
-            elif (step, kind) in self._retired_failed:
-                rec.state = StepState.FAILED
-                rec.reason = self._retired_failed[(step, kind)][1]
-            self._records[(step, kind)] = rec
+            rec = self._records[step] = StepRecord(step=step, first_seen=now)
+            for kind in Kind:
+                retired = self._retired.pop((step, kind), None)
+                if retired is not None:
+                    rec[kind].state, rec[kind].failed_unit, rec[kind].reason = retired
         return rec
 
-    # -- events --------------------------------------------------------------------------------
+    # -- registrations -------------------------------------------------------------------------
 
-    def mark_committed(self, step: int, kind: Kind, now: float) -> StepRecord:
-        """Record a step found committed in storage (a manifest exists)."""
-        rec = self._record(step, kind, now)
-        rec.state = StepState.COMMITTED
-        rec.committed_at = rec.committed_at or now
-        return rec
-
-    def check_registration(self, step: int, kind: Kind, count: int) -> None:
-        """Raise RegistrationConflictError if registering ``count`` units would conflict."""
-        rec = self._records.get((step, kind))
-        if count < 1:
-            raise RegistrationConflictError(f"step {step} ({kind.value}): unit count must be >= 1")
-        if rec is not None and rec.expected is not None and rec.expected != count:
+    def check_registration(self, reg: Registration) -> None:
+        """Raise CheckpointConfigError if ``reg`` can never be honoured; changes nothing."""
+        rec = self._records.get(reg.step)
+        if rec is not None and reg.reg_id in rec.registrations:
+            return  # a retried call: already applied
+        adds = {k: n for k, n in reg.counts.items() if n > 0}
+        if self.is_committed(reg.step, CKPT) and adds:
             raise RegistrationConflictError(
-                f"step {step} ({kind.value}) was already registered with {rec.expected} units; "
-                f"this registration says {count}. Register each step once with the total number "
-                "of save units across all workers"
+                f"step {reg.step} is already committed as a checkpoint, so no more save units can be "
+                "registered for it; save into a new step, or retire the newer steps first "
+                "(ckptd.retire_steps / 'ckptd retire ROOT --after STEP') when a job resumes from an older one"
+            )
+        expected = {k: (rec[k].expected if rec else 0) + adds.get(k, 0) for k in Kind}
+        needed = expected[SD] if reg.monitored is SD else expected[SD] + expected[CKPT]
+        if needed == 0 and not self.is_committed(reg.step, reg.monitored):
+            what = "state_dict_thread_count" if reg.monitored is SD else \
+                "state_dict_thread_count or checkpoint_thread_count"
+            raise CheckpointConfigError(
+                f"register_and_monitor(global_step={reg.step}, is_state_dict={reg.monitored is SD}) "
+                f"would commit step {reg.step} with no save units: pass {what} (the number of save "
+                "units of the step across all workers)"
             )
 
-    def register(self, step: int, kind: Kind, count: int, now: float) -> StepRecord:
-        self.check_registration(step, kind, count)
-        rec = self._record(step, kind, now)
-        if rec.expected is None:
-            rec.expected = count
-            rec.registered_at = now
-        self._check_extra_units(rec)
+    def register(self, reg: Registration, *, replay: bool = False) -> StepRecord:
+        """Apply a registration (idempotent by ``reg_id``).
+
+        Raises:
+            CheckpointConfigError: see :meth:`check_registration` (not when ``replay``ing records).
+        """
+        if not replay:
+            self.check_registration(reg)
+        rec = self._record(reg.step, reg.at)
+        if reg.reg_id in rec.registrations:
+            return rec
+        rec.registrations.add(reg.reg_id)
+        rec.first_seen = min(rec.first_seen, reg.at)
+        for kind, n in reg.counts.items():
+            if n > 0:
+                rec[kind].expected += n
+                rec[kind].registered_at = rec[kind].registered_at or reg.at
+        rec[reg.monitored].monitored = True
         return rec
 
-    def start(self, unit: UnitId, now: float) -> StepRecord:
-        rec = self._record(unit.step, unit.kind, now)
-        if rec.state in (StepState.PENDING, StepState.COMMITTING):
-            rec.started.add(unit.label)
-            self._check_extra_units(rec)
-        return rec
+    # -- units ---------------------------------------------------------------------------------
 
-    def finish(self, unit: UnitId, files: list[FileEntry], now: float) -> StepRecord:
-        rec = self._record(unit.step, unit.kind, now)
-        if rec.state is StepState.PENDING and unit.label not in rec.finished:
-            rec.finished[unit.label] = list(files)
-            rec.started.add(unit.label)
-            self._check_extra_units(rec)
-        return rec
+    def admit(self, unit: UnitId, now: float) -> str | None:
+        """A unit is about to write: None if it may, else why not (nothing is recorded then)."""
+        if self.state_of(unit.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING):
+            return (f"step {unit.step} is already committed as a checkpoint; its files must not change. "
+                    "Save into a new step, or retire the newer steps first (ckptd.retire_steps) when "
+                    "a job resumes from an older one")
+        # A state-dict unit after its state dict committed counts toward the full checkpoint only.
+        sd_done = self.state_of(unit.step, SD) in (StepState.COMMITTED, StepState.COMMITTING)
+        failure = self.failure_of(unit.step, CKPT if unit.kind is CKPT or sd_done else SD)
+        if failure is not None:
+            return f"step {unit.step} has already failed ({failure[1]})"
+        self._unit(unit, now)
+        return None
+
+    def _unit(self, unit: UnitId, now: float) -> tuple[StepRecord, UnitRecord]:
+        rec = self._record(unit.step, now)
+        u = rec.units.get(unit.key)
+        if u is None:
+            after = (unit.kind is SD and rec[SD].state in (StepState.COMMITTING, StepState.COMMITTED)
+                     and unit.key not in rec[SD].committed_units)
+            u = rec.units[unit.key] = UnitRecord(unit, now, after_sd_commit=after)
+        rec.last_unit_at = now
+        return rec, u
+
+    def finish(self, unit: UnitId, files: list[FileEntry], now: float) -> tuple[StepRecord | None, str | None]:
+        """Record a finished unit. Returns (its step, None), or (None, why it cannot count) for a
+        unit that arrived after its step was committed as a checkpoint."""
+        rec = self._records.get(unit.step)
+        if rec is not None and unit.key in rec.units and not rec.units[unit.key].running:
+            return rec, None  # a retried notification
+        if self.state_of(unit.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING):
+            return None, (f"unit {unit.label} of step {unit.step} finished after the step was committed "
+                          "as a checkpoint, so its files are in no manifest; register every unit of a "
+                          "step before it commits, or save into a new step")
+        rec, u = self._unit(unit, now)
+        u.files = list(files)
+        return rec, None
 
     def fail(self, unit: UnitId, failure: UnitFailure, now: float) -> StepRecord:
-        rec = self._record(unit.step, unit.kind, now)
-        if rec.state is StepState.COMMITTED:
-            return rec  # a late duplicate of a unit that did finish; the commit stands
-        rec.failed.setdefault(unit.label, failure)
-        rec.started.add(unit.label)
-        if rec.state is StepState.PENDING:
-            rec.state = StepState.FAILED
+        rec, u = self._unit(unit, now)
+        if u.failure is not None or u.files is not None:
+            return rec  # a retried notification, or a late duplicate of a unit that finished
+        u.failure = failure
+        cause = failure.cause
+        if unit.kind is SD and not u.after_sd_commit:
+            self.fail_kind(rec, SD, cause, unit.label)
+        self.fail_kind(rec, CKPT, cause, unit.label)  # a full checkpoint needs every unit of its step
         return rec
 
-    def _check_extra_units(self, rec: StepRecord) -> None:
-        if rec.state is not StepState.PENDING or rec.expected is None:
-            return
-        seen = rec.units_seen()
-        if len(seen) > rec.expected:
-            self.fail_step(
-                rec,
-                f"{len(seen)} units saved step {rec.step} ({rec.kind.value}) but only "
-                f"{rec.expected} were registered ({', '.join(sorted(seen))}); the registered "
-                "count must include every save unit of the step",
-            )
+    def fail_kind(self, rec: StepRecord, kind: Kind, reason: str, unit: str | None = None) -> bool:
+        """Fail one kind of a step unless it is settled; True if it changed."""
+        k = rec[kind]
+        if k.settled:
+            return False
+        k.state, k.reason, k.failed_unit, k.deferred = StepState.FAILED, reason, unit, False
+        if kind is SD:
+            self.fail_kind(rec, CKPT, reason, unit)
+        return True
 
-    def is_ready(self, rec: StepRecord) -> bool:
-        """The commit rule."""
-        return (
-            rec.state is StepState.PENDING
-            and rec.expected is not None
-            and len(rec.finished) == rec.expected
-            and not rec.failed
-        )
+    # -- the commit rule -----------------------------------------------------------------------
 
-    def begin_commit(self, rec: StepRecord, now: float | None = None) -> None:
-        assert self.is_ready(rec), rec
-        rec.state = StepState.COMMITTING
-        rec.ready_at = now
+    def ready(self, rec: StepRecord) -> list[Kind]:
+        """The kinds of ``rec`` that may be committed now (state dict first)."""
+        out = []
+        sd, ck = rec[SD], rec[CKPT]
+        if (sd.state is StepState.PENDING and (sd.monitored or ck.monitored) and sd.expected > 0
+                and self._complete(rec.counted(SD), sd.expected) and not (sd.deferred and rec.running((CKPT,)))):
+            out.append(SD)
+        sd_done = sd.state is StepState.COMMITTED or SD in out or sd.expected == 0
+        if (ck.state is StepState.PENDING and ck.monitored and sd.expected + ck.expected > 0 and sd_done
+                and sd.state is not StepState.FAILED
+                and self._complete([u for u in rec.units.values() if u.unit.kind is SD], sd.expected)
+                and self._complete([u for u in rec.units.values() if u.unit.kind is CKPT], ck.expected)):
+            out.append(CKPT)
+        return out
 
-    def commit_done(self, rec: StepRecord, now: float) -> None:
-        rec.state = StepState.COMMITTED
-        rec.committed_at = now
+    @staticmethod
+    def _complete(units: list[UnitRecord], expected: int) -> bool:
+        return len(units) == expected and all(u.files is not None for u in units)
 
-    def fail_step(self, rec: StepRecord, reason: str) -> None:
-        if rec.state in (StepState.PENDING, StepState.COMMITTING):
-            rec.state = StepState.FAILED
-            rec.reason = reason
+    def begin_commit(self, rec: StepRecord, kinds: list[Kind], now: float) -> None:
+        for kind in kinds:
+            rec[kind].state, rec[kind].ready_at, rec[kind].deferred = StepState.COMMITTING, now, False
 
-    def expire(self, now: float) -> list[StepRecord]:
-        """Fail every pending step first seen more than ``step_timeout_s`` ago; return them."""
+    def defer(self, rec: StepRecord, kind: Kind) -> None:
+        """Put a commit back: it waits until the other kind's running units are done."""
+        rec[kind].state, rec[kind].deferred = StepState.PENDING, True
+
+    def commit_done(self, rec: StepRecord, kind: Kind, now: float, units: list[str],
+                    files: list[FileEntry]) -> None:
+        k = rec[kind]
+        k.state, k.committed_at = StepState.COMMITTED, now
+        k.committed_units, k.committed_files = set(units), {f.path: f for f in files}
+
+    def mark_committed(self, step: int, kind: Kind, at: float, units: list[str] | None = None,
+                       files: list[FileEntry] | None = None) -> StepRecord:
+        """Record a kind found committed in storage (its manifest exists)."""
+        rec = self._record(step, at)
+        k = rec[kind]
+        k.state, k.committed_at, k.monitored = StepState.COMMITTED, at, True
+        k.committed_units = set(units or ())
+        k.committed_files = {f.path: f for f in files or ()}
+        return rec
+
+    # -- time ----------------------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[tuple[StepRecord, Kind]]:
+        """Fail every active, unsettled kind of a step first seen more than ``step_timeout_s`` ago."""
         expired = []
         for rec in self._records.values():
-            if rec.state is not StepState.PENDING:
-                continue
             if now - rec.first_seen < self.step_timeout_s:
                 continue
-            if rec.expected is None:
-                detail = "it was never registered (call register_and_monitor for every saved step)"
-            else:
-                missing = rec.expected - len(rec.finished)
-                detail = (
-                    f"{len(rec.finished)} of {rec.expected} registered units finished "
-                    f"({missing} missing; finished: {', '.join(sorted(rec.finished)) or 'none'})"
-                )
-            self.fail_step(rec, f"timed out after {self.step_timeout_s:g} s: {detail}")
-            expired.append(rec)
+            for kind in Kind:
+                if not rec.active(kind) or rec[kind].settled or rec[kind].state is StepState.COMMITTING:
+                    continue
+                if self.fail_kind(rec, kind, f"timed out after {self.step_timeout_s:g} s: {self.describe(rec, kind)}"):
+                    expired.append((rec, kind))
         return expired
 
+    def describe(self, rec: StepRecord, kind: Kind) -> str:
+        """Where a kind of a step stands, in words."""
+        k = rec[kind]
+        units = rec.counted(SD) if kind is SD else list(rec.units.values())
+        expected = k.expected if kind is SD else rec[SD].expected + k.expected
+        done = sorted(u.unit.label for u in units if u.files is not None)
+        running = sorted(u.unit.label for u in units if u.running)
+        parts = [f"{len(done)} of {expected} registered units finished (finished: {', '.join(done) or 'none'})"]
+        if running:
+            parts.append(f"still running: {', '.join(running)}")
+        if len(units) > expected:
+            parts.append(f"{len(units)} units saved but only {expected} were registered: register the "
+                         "total number of save units of the step across all workers")
+        if not (k.monitored or (kind is SD and rec[CKPT].monitored)):
+            parts.append(f"nobody asked to commit it: call register_and_monitor(global_step={rec.step}, "
+                         f"is_state_dict={kind is SD}, ...)")
+        return "; ".join(parts)
+
+    def warnings(self, now: float) -> list[str]:
+        """Common mistakes, early: units finished but their kind unregistered or unasked for a
+        while; registered units that never started; more units than registered."""
+        out = []
+        for rec in self._records.values():
+            for kind in Kind:
+                k = rec[kind]
+                if k.settled or not rec.active(kind):
+                    continue
+                asked = k.monitored or (kind is SD and rec[CKPT].monitored)
+                mine = [u for u in rec.units.values() if u.unit.kind is kind]
+                if mine and (not asked or k.expected == 0) and rec.last_unit_at is not None \
+                        and now - min(u.seen_at for u in mine) >= self.unregistered_warning_s:
+                    out.append(f"step {rec.step} ({kind.value}): {len(mine)} units saved but the step is not "
+                               f"registered for this kind: {self.describe(rec, kind)}")
+                elif k.expected > 0 and not mine and k.registered_at is not None \
+                        and now - k.registered_at >= self.unregistered_warning_s:
+                    out.append(f"step {rec.step} ({kind.value}): {k.expected} units registered but none has "
+                               "started; check is_state_dict of the saves and of the registration")
+                elif asked and len(rec.counted(kind) if kind is SD else mine) > k.expected > 0:
+                    out.append(f"step {rec.step} ({kind.value}): {self.describe(rec, kind)}")
+        return out
+
     def prune(self, keep: int) -> None:
-        """Drop the details of all but the newest ``keep`` committed or failed steps."""
-        done = [r for r in self._records.values() if r.state in (StepState.COMMITTED, StepState.FAILED)]
-        done.sort(key=lambda r: (r.step, r.kind.value))
+        """Drop the details of all but the newest ``keep`` settled steps."""
+        done = [r for r in self._records.values()
+                if all(r[k].settled or not r.active(k) for k in Kind) and not r.running()]
+        done.sort(key=lambda r: r.step)
         for rec in done[: max(0, len(done) - keep)]:
-            del self._records[rec.key]
-            if rec.state is StepState.COMMITTED:
-                self._retired_committed.add(rec.key)
-            else:
-                self._retired_failed[rec.key] = rec.failure_summary()
+            del self._records[rec.step]
+            for kind in Kind:
+                k = rec[kind]
+                if k.settled:
+                    self._retired[(rec.step, kind)] = (k.state, k.failed_unit, k.reason)

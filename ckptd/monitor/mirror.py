@@ -38,8 +38,8 @@ from ckptd.manifest import FileEntry, crc32_file
 from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
 from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
 from ckptd.storage import Storage
+from ckptd.template import StepDirTemplate
 from ckptd.threads import lower_priority
-from ckptd.units import StepDirTemplate
 from ckptd.verify import open_step
 from ckptd.workers.files import ChecksumWriter, mismatch, write_stream
 

@@ -18,13 +18,14 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 
 from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
-from ckptd.layout import MANIFESTS, StepEntry
+from ckptd.layout import MANIFESTS, StepEntry, scan_steps
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.retention")
@@ -135,3 +136,75 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float) -> PassResul
             log.warning("%s; retrying after the next commit", msg)
             result.errors.append(msg)
     return result
+
+
+_HISTORY = 1000  # deleted steps reported by status()
+
+
+class RetentionRunner:
+    """Runs retention passes on the monitor's event loop, one at a time, after each commit.
+
+    What is protected (tracker targets, steps in flight, steps not yet mirrored) is read on the
+    event loop, before the scan: a step that starts saving after that is newer than the newest
+    commit, or still being written (so not idle), and is left alone either way.
+
+    Args:
+        protected: Returns the steps never to delete now.
+        cleanup: Removes the ledger records of a deleted step.
+    """
+
+    def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
+                 protected, cleanup) -> None:
+        self._storage = storage
+        self._template = template
+        self._policy = RetentionPolicy.of(opts)
+        self._grace_s = opts.leftover_grace_s
+        self._ledger = ledger
+        self._spawn = spawn
+        self._in_thread = in_thread
+        self._protected = protected
+        self._cleanup = cleanup
+        self._running = False
+        self._again = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.passes = 0
+        self.deleted: list[int] = []
+        self.errors: list[str] = []
+
+    def schedule(self) -> None:
+        if self._running:
+            self._again = True  # one more pass after this one sees the new commit
+            return
+        self._running = True
+        self.idle.clear()
+        self._spawn(self._loop())
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                self._again = False
+                in_flight = self._ledger.in_flight_steps()
+                protected = self._protected() | in_flight
+                failed = self._ledger.failed_steps() - in_flight
+                try:
+                    result = await self._in_thread(self._pass, protected, failed)
+                    self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
+                    self.errors = result.errors
+                except Exception as e:  # best-effort: the next commit runs another pass
+                    log.warning("retention pass failed: %s: %s", type(e).__name__, e)
+                    self.errors = [f"{type(e).__name__}: {e}"]
+                self.passes += 1
+                if not self._again:
+                    break
+        finally:
+            self._running = False
+            self.idle.set()
+
+    def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
+        entries = scan_steps(self._storage, self._template)
+        plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
+        result = run_plan(self._storage, plan, self._grace_s)
+        for step in result.deleted:
+            self._cleanup(step)
+        return result

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
 
 from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.layout import record_template
+from ckptd.layout import LEDGER_DIR, check_template, record_template
 from ckptd.monitor.actor import monitor_actor_class
-from ckptd.monitor.shared_root import check_writable, remove_probe, where_am_i, write_probe
+from ckptd.monitor.attempts import AttemptRecord, current_attempt, open_attempt
+from ckptd.protocol import actor_name
+from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
-from ckptd.units import StepDirTemplate, check_name
+from ckptd.template import StepDirTemplate
+from ckptd.units import check_name
 
-
-def actor_name(run: str) -> str:
-    return f"ckptd-monitor-{run}"
+log = logging.getLogger("ckptd.monitor")
 
 
 def start_monitor(
@@ -27,12 +29,16 @@ def start_monitor(
     storage_options: dict | None = None,
     mirror_storage_options: dict | None = None,
     runtime_env: dict | None = None,
+    takeover: bool = False,
     **options: Any,
 ) -> Any:
     """Create the CheckpointMonitor actor of ``run``, or attach to it if it already exists.
 
-    The actor restarts after a crash (``max_restarts=-1``) and rebuilds its state from storage;
-    calls to it are retried across restarts (``max_task_retries=-1``). It reserves no CPU.
+    Creating a monitor opens a new attempt on the root (see :mod:`ckptd.monitor.attempts`): the
+    records and uncommitted files older attempts left behind are discarded, and only this
+    monitor may publish from now on. The actor restarts after a crash (``max_restarts=-1``),
+    keeps its attempt and rebuilds its state from storage; calls to it are retried across
+    restarts (``max_task_retries=-1``). It reserves no CPU.
 
     Args:
         root: Checkpoint root, a local path or fsspec URL. A relative path is made absolute
@@ -43,6 +49,8 @@ def start_monitor(
             shown in status.
         mirror_storage_options: fsspec options for the ``mirror`` URL, likewise.
         runtime_env: Ray runtime environment for the actor process (env vars, for instance).
+        takeover: Another monitor (another run name or namespace) is live on this root: stop it
+            and fence it out instead of refusing.
         **options: :class:`ckptd.config.MonitorOptions` fields, e.g. ``save_strategy``,
             ``step_timeout_s``, ``detached``, ``mirror="s3://bucket/run"``.
 
@@ -50,43 +58,122 @@ def start_monitor(
         The actor handle, to pass to :class:`ckptd.CheckpointCoordinator`.
 
     Raises:
-        CheckpointConfigError: unknown or invalid options, a root that cannot be written, a
-            root the monitor's process does not see as this process does (``memory://``, or a
-            local path on another node), or an existing monitor of this run with another root or
-            other options. Nothing is written in these cases except the removed probe files.
+        CheckpointConfigError: unknown or invalid options; a root or mirror that cannot be
+            written or names its steps with another template; a mirror that overlaps the root;
+            another live monitor on the root (without ``takeover``); an existing monitor of this
+            run with another root or other options; a root the monitor's process does not see
+            as this process does (``memory://``, or a local path on another node). Nothing is
+            left under the root or the mirror in these cases.
     """
     check_name(run, "run")
     opts = MonitorOptions.parse(options)
     storage = Storage(root, storage_options)
+    root_url = root if "://" in root else storage.root
+    template = StepDirTemplate(opts.step_dir_template)
+    # Every check that can refuse runs before anything is written.
+    check_template(storage, template)
+    mirror = Storage(opts.mirror.url, mirror_storage_options) if opts.mirror is not None else None
+    if mirror is not None:
+        _check_mirror_overlap(storage, mirror)
+        check_template(mirror, template)
+    existing = _existing_actor(run, namespace)
+    if existing is not None:
+        return _attach(existing, storage, root_url, run, opts)
+    _refuse_live_monitor(storage, run, namespace, takeover)
+    fresh = [s for s in (storage, mirror) if s is not None and not s.exists(s.join(LEDGER_DIR))]
     # The driver's shared-root probe is also the check that the root can be written at all.
     probe = write_probe(storage, f"the driver on {where_am_i()}")
+    attempt: AttemptRecord | None = None
+    handle = None
     try:
-        template = StepDirTemplate(opts.step_dir_template)
-        if opts.mirror is not None:
-            _check_mirror(storage, Storage(opts.mirror.url, mirror_storage_options), template, probe.writer)
+        if mirror is not None:
+            check_writable(mirror, probe.writer)
+            record_template(mirror, template)
         record_template(storage, template)
-        handle, created = _create_actor(storage, root, run, namespace, storage_options, mirror_storage_options,
-                                        runtime_env, opts)
+        attempt = open_attempt(storage, run, namespace)
+        handle = _create_actor(root_url, run, namespace, storage_options, mirror_storage_options,
+                               runtime_env, opts, attempt.attempt)
         result = ray.get(handle.check_shared_root.remote(probe.rel, probe.token, probe.writer))
+    except BaseException:
+        _undo(storage, handle, attempt, fresh)
+        raise
     finally:
         remove_probe(storage, probe)
     if result["error"] is not None:
-        if created:
-            ray.kill(handle, no_restart=True)
+        _undo(storage, handle, attempt, fresh)
         raise CheckpointConfigError(result["error"])
     return handle
 
 
-def _create_actor(storage: Storage, root: str, run: str, namespace: str | None, storage_options: dict | None,
+def _undo(storage: Storage, handle: Any, attempt: AttemptRecord | None, fresh: list[Storage]) -> None:
+    """Take back what a refused start_monitor wrote: its actor, its attempt, and the ``.ckptd``
+    directory of a root or mirror that had none before."""
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+    try:
+        if attempt is not None:
+            storage.rm(storage.join(LEDGER_DIR, "attempts", f"{attempt.attempt}.json"))
+            storage.rm(storage.join(LEDGER_DIR, "attempts", f"{attempt.attempt}.started"))
+        for s in fresh:
+            s.rm(s.join(LEDGER_DIR))
+    except OSError as e:
+        log.warning("could not remove what a refused start_monitor wrote: %s", e)
+
+
+def _existing_actor(run: str, namespace: str | None) -> Any | None:
+    try:
+        return ray.get_actor(actor_name(run), namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _attach(handle: Any, storage: Storage, root_url: str, run: str, opts: MonitorOptions) -> Any:
+    existing = ray.get(handle.worker_config.remote())
+    wanted = opts.model_dump(mode="json")
+    if existing["root"] != root_url or existing["options"] != wanted:
+        raise CheckpointConfigError(
+            f"a CheckpointMonitor for run {run!r} already exists with root {existing['root']!r} "
+            f"and options {existing['options']}; this call asked for root {root_url!r} and "
+            f"options {wanted}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
+        )
+    return handle
+
+
+def _live_monitor_of(rec: AttemptRecord) -> Any | None:
+    """The actor of an attempt, if it is alive in this Ray cluster and still serves it."""
+    try:
+        handle = ray.get_actor(actor_name(rec.run), namespace=rec.namespace)
+        info = ray.get(handle.ping.remote(), timeout=10)
+    except Exception:
+        return None
+    return handle if info.get("attempt") == rec.attempt and info.get("root") == rec.root else None
+
+
+def _refuse_live_monitor(storage: Storage, run: str, namespace: str | None, takeover: bool) -> None:
+    rec = current_attempt(storage)
+    if rec is None:
+        return
+    handle = _live_monitor_of(rec)
+    if handle is None:
+        return
+    if not takeover:
+        raise CheckpointConfigError(
+            f"checkpoint root {storage.url!r} is in use by the live monitor of run {rec.run!r} (namespace "
+            f"{rec.namespace!r}, attempt {rec.attempt}, started on {rec.host}); two monitors on one root "
+            f"would overwrite each other's trackers. Use ckptd.get_monitor({rec.run!r}, namespace="
+            f"{rec.namespace!r}) to attach to it, another root, or start_monitor(..., takeover=True) to "
+            "stop it and take the root over"
+        )
+    log.warning("taking over %s from run %r (attempt %d)", storage.url, rec.run, rec.attempt)
+    ray.kill(handle, no_restart=True)  # the new attempt fences it out even if this is too late
+
+
+def _create_actor(root_url: str, run: str, namespace: str | None, storage_options: dict | None,
                   mirror_storage_options: dict | None, runtime_env: dict | None,
-                  opts: MonitorOptions) -> tuple[Any, bool]:
-    """The monitor actor of ``run`` (new, or the existing one if its root and options are the
-    same), and whether this call created it."""
-    root_url = root if "://" in root else storage.root
+                  opts: MonitorOptions, attempt: int) -> Any:
     actor_options: dict[str, Any] = {
         "name": actor_name(run),
         "namespace": namespace,
-        "get_if_exists": True,
         "max_restarts": -1,
         "max_task_retries": -1,
         "num_cpus": 0,
@@ -96,35 +183,21 @@ def _create_actor(storage: Storage, root: str, run: str, namespace: str | None, 
         actor_options["lifetime"] = "detached"
     if runtime_env:
         actor_options["runtime_env"] = runtime_env
-    try:
-        ray.get_actor(actor_name(run), namespace=namespace)
-        created = False
-    except ValueError:
-        created = True
     handle = monitor_actor_class().options(**actor_options).remote(
-        root_url, run, storage_options, opts.model_dump(mode="json"), mirror_storage_options
+        root_url, run, storage_options, opts.model_dump(mode="json"), mirror_storage_options, attempt, namespace
     )
-    existing = ray.get(handle.worker_config.remote())
-    wanted = opts.model_dump(mode="json")
-    if existing["root"] != root_url or existing["options"] != wanted:
-        raise CheckpointConfigError(
-            f"a CheckpointMonitor for run {run!r} already exists with root {existing['root']!r} "
-            f"and options {existing['options']}; this call asked for root {root_url!r} and "
-            f"options {wanted}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
-        )
-    return handle, created
+    ray.get(handle.ping.remote())  # surface constructor errors here
+    return handle
 
 
-def _check_mirror(local: Storage, mirror: Storage, template: StepDirTemplate, writer: str) -> None:
-    """Refuse a mirror that is the root, lies inside it or holds it, or cannot be written."""
+def _check_mirror_overlap(local: Storage, mirror: Storage) -> None:
+    """Refuse a mirror that is the root, lies inside it or holds it."""
     a, b = local.url.rstrip("/") + "/", mirror.url.rstrip("/") + "/"
     if a.startswith(b) or b.startswith(a):
         raise CheckpointConfigError(
             f"the mirror {mirror.url!r} overlaps the checkpoint root {local.url!r}; the mirror must be "
             "separate storage (for example s3://bucket/run for a local root)"
         )
-    check_writable(mirror, writer)
-    record_template(mirror, template)  # raises if the mirror already names its steps otherwise
 
 
 def get_monitor(run: str = "default", namespace: str | None = None) -> Any:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind, SaveStrategy
-from ckptd.monitor.ledger import StepRecord, StepState, UnitFailure
+from ckptd.monitor.ledger import StepRecord, StepState
+from ckptd.protocol import UnitFailure
 
 
 class StepStatus(BaseModel):
-    """One (step, kind): the units expected, started, finished and failed, and the outcome."""
+    """One (step, kind): the units registered, seen, finished and failed, and the outcome.
+
+    Units are named ``worker/name#call``: two save calls with the same name are two units.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -19,7 +25,8 @@ class StepStatus(BaseModel):
     kind: Kind
     state: StepState
     committed: bool
-    expected: int | None
+    expected: int
+    monitored: bool
     started: list[str]
     finished: list[str]
     failed: list[UnitFailure]
@@ -29,13 +36,15 @@ class StepStatus(BaseModel):
     committed_at: float | None
 
     @classmethod
-    def of(cls, rec: StepRecord) -> StepStatus:
+    def of(cls, rec: StepRecord, kind: Kind) -> StepStatus:
+        k = rec[kind]
+        units = sorted((u for u in rec.units.values() if u.unit.kind is kind), key=lambda u: u.unit.key)
         return cls(
-            step=rec.step, kind=rec.kind, state=rec.state,
-            committed=rec.state is StepState.COMMITTED, expected=rec.expected,
-            started=sorted(rec.started), finished=sorted(rec.finished),
-            failed=[rec.failed[u] for u in sorted(rec.failed)], reason=rec.reason,
-            first_seen=rec.first_seen, ready_at=rec.ready_at, committed_at=rec.committed_at,
+            step=rec.step, kind=kind, state=k.state, committed=k.state is StepState.COMMITTED,
+            expected=k.expected, monitored=k.monitored, started=[u.unit.key for u in units],
+            finished=[u.unit.key for u in units if u.files is not None],
+            failed=[u.failure for u in units if u.failure is not None], reason=k.reason,
+            first_seen=rec.first_seen, ready_at=k.ready_at, committed_at=k.committed_at,
         )
 
 
@@ -126,6 +135,8 @@ class MonitorStatus(BaseModel):
 
     run: str
     root: str
+    attempt: int
+    fenced: str | None
     trackers: Trackers
     steps: list[StepStatus]
     writers: WriterSlotsStatus
@@ -134,8 +145,34 @@ class MonitorStatus(BaseModel):
     storage: StorageStatus
     mirror: MirrorStatus | None
     started_at: float
+    warnings: list[str]
 
     def step(self, step: int, kind: str | Kind = Kind.CHECKPOINT) -> StepStatus | None:
         """The status of one step and kind, if the monitor still reports it in detail."""
         kind = Kind(kind)
         return next((s for s in self.steps if s.step == step and s.kind is kind), None)
+
+
+def build_status(monitor: Any) -> MonitorStatus:
+    """The status of a :class:`~ckptd.monitor.actor.CheckpointMonitor` (read on its event loop)."""
+    ledger, opts = monitor._ledger, monitor._opts
+    steps = [StepStatus.of(rec, kind) for rec in ledger.records() for kind in Kind if rec.active(kind)]
+    retention = monitor._retention
+    return MonitorStatus(
+        run=monitor._run,
+        root=monitor._storage.url,
+        attempt=monitor._attempt,
+        fenced=monitor._fenced,
+        trackers=Trackers(checkpoint=monitor._trackers[Kind.CHECKPOINT], state_dict=monitor._trackers[Kind.STATE_DICT]),
+        steps=steps,
+        writers=WriterSlotsStatus(strategy=opts.save_strategy, holders=monitor._slots.holders(),
+                                  waiting=monitor._slots.waiting()),
+        retention=RetentionStatus(passes=retention.passes, deleted_steps=list(retention.deleted),
+                                  errors=list(retention.errors)),
+        notifications=monitor._notifications,
+        storage=StorageStatus(commit_strategy=monitor._storage.commit.name, monitor=monitor._where,
+                              probes_checked=monitor._probes_checked, unshared=list(monitor._unshared)),
+        mirror=None if monitor._mirror is None else monitor._mirror.status(),
+        started_at=monitor._started_at,
+        warnings=ledger.warnings(time.time()),
+    )

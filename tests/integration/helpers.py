@@ -99,9 +99,10 @@ def status(monitor):
 
 
 def ledger_records(root: str, step: int) -> list[str]:
-    """The monitor's ledger directories for ``step`` (one per kind) under a local root."""
+    """The monitor's ledger directories for ``step`` (one per attempt) under a local root."""
     base = f"{root}/.ckptd/pending"
-    return [n for n in os.listdir(base) if n.split(".")[0] == str(step)] if os.path.isdir(base) else []
+    attempts = os.listdir(base) if os.path.isdir(base) else []
+    return [f"{a}/{step}" for a in attempts if os.path.isdir(f"{base}/{a}/{step}")]
 
 
 def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):

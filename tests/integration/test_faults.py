@@ -96,9 +96,12 @@ def test_timeout_fails_the_step_with_a_reason_and_survives_restart(make_monitor,
     restart_monitor(monitor, "ray.kill")
     s = status(monitor).step(3)
     assert s.state.value == "failed" and "timed out" in s.reason
-    # The late unit does not resurrect it, and the next step is unaffected.
+    # The late unit is refused (it does not resurrect the step), and the next step is unaffected.
     other = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
     other.save_async("model", lambda: _write(root, 3, "late.bin"), 3)
+    with pytest.raises(ckptd.CheckpointSaveError, match="step 3 has already failed"):
+        other.wait_all()
+    assert not os.path.exists(f"{ckptd.step_dir(root, 3)}/late.bin")
     other.save_async("model", lambda: _write(root, 4, "m.bin"), 4)
     other.register(4, checkpoint_thread_count=1)
     other.wait_all()

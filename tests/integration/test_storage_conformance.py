@@ -20,7 +20,7 @@ from ckptd.errors import CheckpointError, CorruptCheckpointError, FailpointError
 from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, is_committed, scan_steps
 from ckptd.manifest import FileEntry, build_manifest
 from ckptd.monitor.retention import delete_step
-from ckptd.monitor.shared_root import check_writable
+from ckptd.shared_root import check_writable
 from ckptd.storage import Storage
 from ckptd.workers.files import read_verified, write_bytes
 from ckptd.workers.safetensors_io import read_safetensors, write_safetensors

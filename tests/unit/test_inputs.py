@@ -11,7 +11,7 @@ from ckptd import failpoints
 from ckptd.config import MonitorOptions, SaveStrategy
 from ckptd.errors import CheckpointConfigError, FailpointError
 from ckptd.layout import latest_step, step_dir
-from ckptd.monitor.shared_root import check_writable
+from ckptd.shared_root import check_writable
 from ckptd.storage import Storage
 from ckptd.units import check_count, check_name, check_step
 

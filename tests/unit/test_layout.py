@@ -11,7 +11,7 @@ from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError
 from ckptd.layout import MANIFESTS, committed_steps, record_template, scan_steps
 from ckptd.storage import Storage
-from ckptd.units import StepDirTemplate
+from ckptd.template import StepDirTemplate
 
 
 @pytest.mark.parametrize(("template", "step", "epoch", "name"), [

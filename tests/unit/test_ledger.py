@@ -1,4 +1,4 @@
-"""The commit rule, in every order of arrival."""
+"""The commit rule, one test per row of the README's semantics table (no Ray, no I/O)."""
 
 from __future__ import annotations
 
@@ -7,161 +7,232 @@ import itertools
 import pytest
 
 from ckptd.config import Kind
-from ckptd.errors import RegistrationConflictError
+from ckptd.errors import CheckpointConfigError
 from ckptd.manifest import FileEntry
-from ckptd.monitor.ledger import StepLedger, StepState, UnitFailure
-from ckptd.units import UnitId
+from ckptd.monitor.ledger import StepLedger, StepState
+from ckptd.protocol import Registration, UnitFailure, UnitId
 
-CK = Kind.CHECKPOINT
-
-
-def unit(worker: str, step: int = 1, name: str = "model", kind: Kind = CK) -> UnitId:
-    return UnitId(worker, name, step, kind)
+SD, CKPT = Kind.STATE_DICT, Kind.CHECKPOINT
+_ids = itertools.count()
 
 
-def files(name: str) -> list[FileEntry]:
+def unit(step: int, kind: Kind = CKPT, name: str = "model", worker: str = "w0") -> UnitId:
+    return UnitId(worker, name, step, kind, f"c{next(_ids)}")
+
+
+def reg(step: int, sd: int = 0, ckpt: int = 0, monitored: Kind = CKPT, reg_id: str | None = None) -> Registration:
+    return Registration(reg_id=reg_id or f"r{next(_ids)}", step=step, counts={SD: sd, CKPT: ckpt},
+                        monitored=monitored, at=0.0)
+
+
+def files(name: str = "a.bin") -> list[FileEntry]:
     return [FileEntry(path=name, size=1, crc32="00000000")]
 
 
-def failure(u: UnitId) -> UnitFailure:
-    return UnitFailure(unit=u.label, error_type="OSError", message="disk full")
+def run(ledger: StepLedger, u: UnitId) -> None:
+    assert ledger.admit(u, 0.0) is None
+    rec, why = ledger.finish(u, files(u.key), 0.0)
+    assert why is None
 
 
-def test_commits_only_when_all_registered_units_finished():
-    ledger = StepLedger(step_timeout_s=60)
-    rec = ledger.register(1, CK, 2, now=0)
-    assert not ledger.is_ready(rec)
-    ledger.finish(unit("a"), files("a"), now=1)
-    assert not ledger.is_ready(rec)
-    ledger.finish(unit("b"), files("b"), now=2)
-    assert ledger.is_ready(rec)
+@pytest.fixture
+def ledger() -> StepLedger:
+    return StepLedger(step_timeout_s=100.0, unregistered_warning_s=10.0)
 
 
-@pytest.mark.parametrize("order", list(itertools.permutations(["register", "start_a", "finish_a", "finish_b"])))
-def test_order_of_arrival_does_not_matter(order):
-    ledger = StepLedger(step_timeout_s=60)
-    events = {
-        "register": lambda: ledger.register(1, CK, 2, now=0),
-        "start_a": lambda: ledger.start(unit("a"), now=0),
-        "finish_a": lambda: ledger.finish(unit("a"), files("a"), now=0),
-        "finish_b": lambda: ledger.finish(unit("b"), files("b"), now=0),
-    }
-    needed = {"register", "finish_a", "finish_b"}  # a late "started" changes nothing
-    seen = set()
-    for name in order:
-        rec = events[name]()
-        seen.add(name)
-        assert ledger.is_ready(rec) == (needed <= seen), (order, name)
+def test_registrations_add_up_and_a_retried_one_counts_once(ledger):
+    r1 = reg(1, ckpt=1)
+    ledger.register(r1)
+    ledger.register(r1)  # Ray retried the call
+    ledger.register(reg(1, ckpt=1))  # a second registration of the same step adds
+    rec = ledger.get(1)
+    assert rec[CKPT].expected == 2
+    run(ledger, unit(1))
+    assert ledger.ready(rec) == []
+    run(ledger, unit(1, name="optim"))
+    assert ledger.ready(rec) == [CKPT]
 
 
-def test_finish_before_registration_is_kept():
-    ledger = StepLedger(step_timeout_s=60)
-    ledger.finish(unit("a"), files("a"), now=0)
-    rec = ledger.get(1, CK)
-    assert not ledger.is_ready(rec)  # no registration yet: never commit
-    assert ledger.is_ready(ledger.register(1, CK, 1, now=1))
+def test_each_save_call_is_a_unit_even_with_the_same_name_and_a_retried_notification_counts_once(ledger):
+    ledger.register(reg(1, ckpt=2))
+    rec = ledger.get(1)
+    a, b = unit(1, name="model"), unit(1, name="model")  # two calls, same name and step
+    run(ledger, a)
+    ledger.finish(a, files(), 0.0)  # the notification again
+    assert ledger.ready(rec) == []
+    run(ledger, b)
+    assert ledger.ready(rec) == [CKPT]
 
 
-def test_duplicate_notifications_count_once():
-    ledger = StepLedger(step_timeout_s=60)
-    rec = ledger.register(1, CK, 2, now=0)
-    for _ in range(3):
-        ledger.start(unit("a"), now=0)
-        ledger.finish(unit("a"), files("a"), now=0)
-    assert len(rec.finished) == 1 and not ledger.is_ready(rec)
-    ledger.finish(unit("b"), files("b"), now=0)
-    assert ledger.is_ready(rec)
+def test_state_dict_commits_when_its_registered_units_finished(ledger):
+    ledger.register(reg(1, sd=2, monitored=SD))
+    rec = ledger.get(1)
+    run(ledger, unit(1, SD, "r0"))
+    assert ledger.ready(rec) == []
+    run(ledger, unit(1, SD, "r1"))
+    assert ledger.ready(rec) == [SD]
 
 
-def test_same_worker_and_name_in_other_step_or_kind_is_another_unit():
-    ledger = StepLedger(step_timeout_s=60)
-    ledger.register(1, CK, 1, now=0)
-    ledger.register(2, CK, 1, now=0)
-    ledger.register(1, Kind.STATE_DICT, 1, now=0)
-    ledger.finish(unit("a", step=2), files("x"), now=0)
-    ledger.finish(unit("a", kind=Kind.STATE_DICT), files("x"), now=0)
-    assert not ledger.is_ready(ledger.get(1, CK))
-    assert ledger.is_ready(ledger.get(2, CK)) and ledger.is_ready(ledger.get(1, Kind.STATE_DICT))
+def test_order_does_not_matter_units_may_finish_before_the_registration(ledger):
+    run(ledger, unit(3, SD))
+    assert ledger.ready(ledger.get(3)) == []
+    ledger.register(reg(3, sd=1, monitored=SD))
+    assert ledger.ready(ledger.get(3)) == [SD]
 
 
-def test_a_failed_unit_fails_the_step_even_if_the_count_is_reached():
-    ledger = StepLedger(step_timeout_s=60)
-    rec = ledger.register(1, CK, 2, now=0)
-    ledger.fail(unit("a"), failure(unit("a")), now=0)
-    ledger.finish(unit("b"), files("b"), now=0)
-    ledger.finish(unit("a"), files("a"), now=0)  # a retry reporting success does not undo it
-    assert rec.state is StepState.FAILED and not ledger.is_ready(rec)
-    assert ledger.failure_of(1, CK) == ("a/model", "OSError: disk full")
+def test_a_full_checkpoint_waits_for_the_state_dict_units_of_its_step(ledger):
+    ledger.register(reg(1, sd=1, ckpt=1))
+    rec = ledger.get(1)
+    run(ledger, unit(1, CKPT))
+    assert ledger.ready(rec) == []  # the step's weights are still being written
+    run(ledger, unit(1, SD))
+    assert ledger.ready(rec) == [SD, CKPT]
 
 
-def test_failure_does_not_touch_other_steps():
-    ledger = StepLedger(step_timeout_s=60)
-    ledger.register(1, CK, 1, now=0)
-    ledger.register(2, CK, 1, now=0)
-    ledger.fail(unit("a", step=1), failure(unit("a", step=1)), now=0)
-    assert ledger.is_ready(ledger.finish(unit("a", step=2), files("a"), now=0))
+def test_trinity_save_checkpoint_sync_state_dict_unit_registered_as_a_full_checkpoint(ledger):
+    # save_sync(..., is_state_dict=True) on rank 0, then register_and_monitor(S, state_dict_thread_count=1)
+    run(ledger, unit(5, SD, "sync"))
+    ledger.register(reg(5, sd=1, monitored=CKPT))
+    assert ledger.ready(ledger.get(5)) == [SD, CKPT]
 
 
-def test_conflicting_registration_is_refused_and_same_one_is_idempotent():
-    ledger = StepLedger(step_timeout_s=60)
-    ledger.register(1, CK, 2, now=0)
-    ledger.register(1, CK, 2, now=5)
-    assert ledger.get(1, CK).registered_at == 0
-    with pytest.raises(RegistrationConflictError, match="already registered with 2 units"):
-        ledger.register(1, CK, 3, now=0)
-    assert ledger.get(1, CK).expected == 2
+def test_state_dict_then_full_checkpoint_of_the_same_step(ledger):
+    ledger.register(reg(2, sd=2, monitored=SD))
+    rec = ledger.get(2)
+    run(ledger, unit(2, SD, "r0"))
+    run(ledger, unit(2, SD, "r1"))
+    assert ledger.ready(rec) == [SD]
+    ledger.begin_commit(rec, [SD], 0.0)
+    ledger.commit_done(rec, SD, 0.0, ["a", "b"], [])
+    # save_checkpoint(S): the engine's save is a state-dict unit, after the state dict committed
+    late_sd = unit(2, SD, "sync")
+    assert ledger.admit(late_sd, 0.0) is None
+    ledger.finish(late_sd, files("full.bin"), 0.0)
+    assert rec.units[late_sd.key].after_sd_commit
+    assert ledger.ready(rec) == []  # not registered yet: Trinity's counter is at -1
+    ledger.register(reg(2, sd=1, monitored=CKPT))
+    assert rec[SD].expected == 3
+    assert ledger.ready(rec) == [CKPT]
 
 
-def test_more_units_than_registered_fails_the_step_instead_of_committing_early():
-    ledger = StepLedger(step_timeout_s=60)
-    ledger.start(unit("a"), now=0)
-    ledger.start(unit("b"), now=0)
-    ledger.finish(unit("a"), files("a"), now=0)
-    rec = ledger.register(1, CK, 1, now=0)
-    assert rec.state is StepState.FAILED
-    assert "2 units saved step 1" in rec.reason
+def test_a_running_unit_holds_the_commit(ledger):
+    ledger.register(reg(1, ckpt=1))
+    a, b = unit(1), unit(1, name="extra")
+    run(ledger, a)
+    assert ledger.admit(b, 0.0) is None  # admitted, still writing
+    assert ledger.ready(ledger.get(1)) == []
 
 
-def test_timeout_fails_pending_steps_with_a_reason():
-    ledger = StepLedger(step_timeout_s=10)
-    ledger.register(1, CK, 2, now=0)
-    ledger.finish(unit("a"), files("a"), now=1)
-    ledger.finish(unit("z", step=2), files("z"), now=5)
-    assert ledger.expire(now=9.9) == []
-    expired = ledger.expire(now=10)
-    assert [r.step for r in expired] == [1]
-    assert "timed out after 10 s: 1 of 2 registered units finished" in expired[0].reason
-    expired = ledger.expire(now=15)
-    assert [r.step for r in expired] == [2] and "never registered" in expired[0].reason
-    assert ledger.expire(now=100) == []
+def test_more_units_than_registered_hold_the_step_are_flagged_and_time_out(ledger):
+    ledger.register(reg(1, ckpt=1))
+    run(ledger, unit(1))
+    run(ledger, unit(1, name="extra"))
+    rec = ledger.get(1)
+    assert ledger.ready(rec) == []
+    assert any("2 units saved but only 1 were registered" in w for w in ledger.warnings(1.0))
+    expired = ledger.expire(1000.0)
+    assert [(r.step, k) for r, k in expired] == [(1, CKPT)]
+    assert "only 1 were registered" in rec[CKPT].reason
 
 
-def test_committed_steps_ignore_late_notifications_and_survive_pruning():
-    ledger = StepLedger(step_timeout_s=10)
+def test_a_failed_state_dict_unit_fails_both_kinds(ledger):
+    ledger.register(reg(1, sd=1, ckpt=1))
+    u = unit(1, SD)
+    ledger.admit(u, 0.0)
+    rec = ledger.fail(u, UnitFailure(unit=u.label, error_type="OSError", message="disk full"), 0.0)
+    assert rec[SD].state is StepState.FAILED and rec[CKPT].state is StepState.FAILED
+    assert ledger.failure_of(1, CKPT) == ("w0/model", "OSError: disk full")
+    assert ledger.admit(unit(1, CKPT), 0.0) is not None  # nothing more is written for it
+
+
+def test_a_failed_unit_after_the_state_dict_commit_fails_only_the_full_checkpoint(ledger):
+    ledger.register(reg(1, sd=1, monitored=SD))
+    rec = ledger.get(1)
+    run(ledger, unit(1, SD))
+    ledger.begin_commit(rec, [SD], 0.0)
+    ledger.commit_done(rec, SD, 0.0, [], [])
+    u = unit(1, SD, "sync")
+    ledger.admit(u, 0.0)
+    ledger.fail(u, UnitFailure(unit=u.label, error_type="OSError", message="x"), 0.0)
+    assert rec[SD].state is StepState.COMMITTED and rec[CKPT].state is StepState.FAILED
+
+
+def test_nothing_is_admitted_into_a_committed_checkpoint_and_late_units_do_not_count(ledger):
+    ledger.register(reg(1, ckpt=1))
+    rec = ledger.get(1)
+    u = unit(1)
+    ledger.admit(u, 0.0)
+    ledger.finish(u, files(), 0.0)
+    ledger.begin_commit(rec, [CKPT], 0.0)
+    ledger.commit_done(rec, CKPT, 0.0, [u.key], [])
+    assert "already committed as a checkpoint" in ledger.admit(unit(1), 0.0)
+    assert "already committed as a checkpoint" in ledger.admit(unit(1, SD), 0.0)
+    rec2, why = ledger.finish(unit(1, name="late"), files(), 0.0)  # never admitted (monitor restarted)
+    assert rec2 is None and "after the step was committed" in why
+    with pytest.raises(CheckpointConfigError, match="retire"):
+        ledger.register(reg(1, ckpt=1))
+
+
+def test_a_registration_that_would_commit_nothing_is_refused(ledger):
+    with pytest.raises(CheckpointConfigError, match="no save units"):
+        ledger.register(reg(1, monitored=CKPT))
+    with pytest.raises(CheckpointConfigError, match="state_dict_thread_count"):
+        ledger.register(reg(1, ckpt=2, monitored=SD))
+
+
+def test_timeout_names_what_is_missing(ledger):
+    ledger.register(reg(4, ckpt=3))
+    run(ledger, unit(4, name="a"))
+    assert ledger.expire(99.0) == []
+    (rec, kind), = ledger.expire(101.0)
+    assert kind is CKPT and rec[CKPT].reason.startswith("timed out after 100 s: 1 of 3 registered units finished")
+
+
+def test_warnings_for_an_unregistered_kind_and_for_registered_units_that_never_started(ledger):
+    u = unit(1, SD)
+    assert ledger.admit(u, 0.0) is None
+    ledger.finish(u, files(), 0.0)
+    ledger.register(reg(2, ckpt=2))
+    assert ledger.warnings(5.0) == []
+    warnings = ledger.warnings(20.0)
+    assert any(w.startswith("step 1 (state_dict): 1 units saved but the step is not registered") for w in warnings)
+    assert any(w.startswith("step 2 (checkpoint): 2 units registered but none has started") for w in warnings)
+
+
+def test_a_deferred_state_dict_waits_for_the_checkpoint_units_writing_beside_it(ledger):
+    ledger.register(reg(1, sd=1, ckpt=1, monitored=SD))
+    rec = ledger.get(1)
+    run(ledger, unit(1, SD))
+    ck = unit(1, CKPT)
+    ledger.admit(ck, 0.0)
+    assert ledger.ready(rec) == [SD]
+    ledger.begin_commit(rec, [SD], 0.0)
+    ledger.defer(rec, SD)  # the commit path found files no unit reported
+    assert ledger.ready(rec) == []
+    ledger.finish(ck, files("opt.bin"), 0.0)
+    assert ledger.ready(rec) == [SD]
+
+
+def test_replayed_records_rebuild_the_same_state(ledger):
+    r = reg(7, sd=1, ckpt=1)
+    a, b = unit(7, SD), unit(7, CKPT)
+    fresh = StepLedger(100.0)
+    for led in (ledger, fresh):
+        led.register(r, replay=led is fresh)
+        led.finish(a, files(), 0.0)
+        led.finish(b, files("b"), 0.0)
+    assert ledger.ready(ledger.get(7)) == fresh.ready(fresh.get(7)) == [SD, CKPT]
+
+
+def test_pruned_steps_still_answer(ledger):
     for step in range(5):
-        rec = ledger.register(step, CK, 1, now=0)
-        ledger.finish(unit("a", step=step), files("a"), now=0)
-        ledger.begin_commit(rec)
-        ledger.commit_done(rec, now=1)
-    ledger.register(9, CK, 1, now=0)
-    ledger.fail(unit("a", step=9), failure(unit("a", step=9)), now=0)
-    ledger.prune(keep=2)
-    assert [r.step for r in ledger.records()] == [4, 9]
-    assert ledger.is_committed(0, CK)
-    rec = ledger.finish(unit("late", step=0), files("x"), now=2)
-    assert rec.state is StepState.COMMITTED and not ledger.is_ready(rec)
-    assert ledger.expire(now=1000) == []
-
-
-def test_pruned_failed_step_still_reports_its_failure():
-    ledger = StepLedger(step_timeout_s=10)
-    ledger.register(1, CK, 1, now=0)
-    ledger.fail(unit("a"), failure(unit("a")), now=0)
-    for step in range(2, 5):
-        rec = ledger.register(step, CK, 1, now=0)
-        ledger.finish(unit("a", step=step), files("a"), now=0)
-        ledger.begin_commit(rec)
-        ledger.commit_done(rec, now=1)
-    ledger.prune(keep=1)
-    assert ledger.get(1, CK) is None
-    assert ledger.failure_of(1, CK) == ("a/model", "OSError: disk full")
+        ledger.register(reg(step, ckpt=1))
+        u = unit(step)
+        run(ledger, u)
+        rec = ledger.get(step)
+        ledger.begin_commit(rec, [CKPT], 0.0)
+        ledger.commit_done(rec, CKPT, 0.0, [u.key], [])
+    ledger.prune(2)
+    assert [r.step for r in ledger.records()] == [3, 4]
+    assert ledger.is_committed(0, CKPT)
+    assert ledger.admit(unit(0), 0.0) is not None

@@ -12,7 +12,7 @@ from ckptd.layout import MANIFESTS, TRACKERS, committed_steps, read_tracker, sca
 from ckptd.manifest import FileEntry, build_manifest
 from ckptd.monitor.mirror import Mirror
 from ckptd.storage import Storage
-from ckptd.units import StepDirTemplate
+from ckptd.template import StepDirTemplate
 from ckptd.workers.files import write_bytes
 
 TEMPLATE = StepDirTemplate("global_step_{step}")

@@ -1,0 +1,84 @@
+"""Talking to the monitor from a worker: calls that survive monitor restarts, and batched
+notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from ckptd.coordinator.notifier import Notifier
+from ckptd.protocol import actor_name
+
+log = logging.getLogger("ckptd.coordinator")
+
+
+class MonitorClient:
+    """Calls the monitor, retrying while the actor restarts or is unreachable.
+
+    Ray already retries tasks of a restarting actor (the monitor is created with
+    ``max_task_retries=-1``); this also covers a monitor that was re-created by name.
+
+    Args:
+        handle: The monitor's actor handle.
+        timeout_s: How long a call is retried before its error is raised.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self._handle = handle
+        self._timeout_s = timeout_s
+        self._run: str | None = None
+        self._namespace: str | None = None
+        self._lock = threading.Lock()
+        self._notifier: Notifier | None = None
+
+    def bind(self, run: str, namespace: str | None) -> None:
+        """The run (and namespace) to re-attach to when the handle stops working."""
+        self._run, self._namespace = run, namespace
+
+    def call(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return ray.get(getattr(self._handle, method).remote(*args))
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._reattach()
+
+    async def call_async(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return await getattr(self._handle, method).remote(*args)
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._reattach()
+
+    def notify(self, event: tuple) -> Any:
+        """Deliver one notification (batched with those of other save threads); its answer."""
+        with self._lock:
+            if self._notifier is None:
+                self._notifier = Notifier(lambda events: self.call("notify_batch", events))
+            notifier = self._notifier
+        return notifier.deliver(event)
+
+    def _reattach(self) -> None:
+        if self._run is None:
+            return
+        try:
+            self._handle = ray.get_actor(actor_name(self._run), namespace=self._namespace)
+        except ValueError:
+            pass  # not re-created (yet); keep retrying the old handle until the deadline

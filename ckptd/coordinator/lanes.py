@@ -1,0 +1,38 @@
+"""Named save threads: units of the same name run one after another, in call order."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.protocol import UnitId
+from ckptd.threads import lower_priority
+
+
+@dataclass
+class Job:
+    unit: UnitId
+    save_fn: Callable[[], Any]
+
+
+class Lane:
+    """One named save thread, fed by a bounded queue (``save_async`` blocks when it is full)."""
+
+    def __init__(self, name: str, run: Callable[[Job], None], max_pending: int) -> None:
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_pending)
+        self.thread = threading.Thread(target=self._loop, args=(run,), name=f"ckptd-save-{name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self, run: Callable[[Job], None]) -> None:
+        lower_priority()
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                run(job)
+            finally:
+                self.queue.task_done()

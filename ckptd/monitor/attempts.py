@@ -1,0 +1,168 @@
+"""Attempts: every job that starts a monitor on a root opens a new generation, and only the newest
+may publish manifests and trackers.
+
+    root/.ckptd/attempts/{n}.json       the attempt record, created exclusively by start_monitor
+    root/.ckptd/attempts/{n}.started    written by the monitor once it has cleaned up after the
+                                        attempts before it (a Ray restart of the same monitor
+                                        finds it and adopts its own records instead)
+
+A Ray restart of the same monitor keeps its attempt (the number is an argument of the actor).
+A new job gets a new number, discards the records of every older attempt, and clears the files
+those attempts left in steps they never committed, so those steps start clean. A monitor whose
+attempt is no longer the newest is fenced: :func:`check_fence` runs before every publish.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+from pydantic import BaseModel, ConfigDict
+
+from ckptd.commit import fsync_path, temp_name
+from ckptd.config import Kind
+from ckptd.errors import CheckpointError
+from ckptd.layout import LEDGER_DIR, MANIFESTS, scan_steps
+from ckptd.manifest import Manifest, is_internal
+from ckptd.protocol import attempt_pending_dir, pending_attempts
+from ckptd.storage import Storage
+from ckptd.template import StepDirTemplate
+
+log = logging.getLogger("ckptd.monitor")
+
+
+class FencedError(CheckpointError):
+    """A newer attempt owns the root: this monitor must not publish anything."""
+
+    def __init__(self, mine: int, newer: int, run: str) -> None:
+        self.mine, self.newer, self.run = mine, newer, run
+        super().__init__(
+            f"attempt {mine} of this root was superseded by attempt {newer} (run {run!r}); this monitor "
+            "no longer publishes manifests or trackers. Stop it, or start one job per root"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.mine, self.newer, self.run))
+
+
+class AttemptRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attempt: int
+    run: str
+    namespace: str | None
+    root: str
+    started_at: float
+    host: str
+
+
+def _dir(storage: Storage) -> str:
+    return storage.join(LEDGER_DIR, "attempts")
+
+
+def list_attempts(storage: Storage) -> list[int]:
+    out = []
+    for name in storage.listdir(_dir(storage)):
+        stem, _, ext = name.partition(".")
+        if ext == "json" and stem.isdigit():
+            out.append(int(stem))
+    return sorted(out)
+
+
+def read_attempt(storage: Storage, attempt: int) -> AttemptRecord | None:
+    text = storage.read_text_or_none(f"{_dir(storage)}/{attempt}.json")
+    return None if text is None else AttemptRecord.model_validate_json(text)
+
+
+def current_attempt(storage: Storage) -> AttemptRecord | None:
+    attempts = list_attempts(storage)
+    return read_attempt(storage, attempts[-1]) if attempts else None
+
+
+def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRecord:
+    """Create the next attempt's record; exactly one of two concurrent callers gets a number.
+
+    POSIX: a hard link, which fails if the name exists. Object stores: the record is written, then
+    read back, and the call retries with the next number if another writer won.
+    """
+    for _ in range(100):
+        attempts = list_attempts(storage)
+        rec = AttemptRecord(attempt=(attempts[-1] + 1) if attempts else 1, run=run, namespace=namespace,
+                            root=storage.url, started_at=time.time(), host=socket.gethostname())
+        path = f"{_dir(storage)}/{rec.attempt}.json"
+        data = rec.model_dump_json().encode()
+        if storage.is_posix:
+            os.makedirs(_dir(storage), exist_ok=True)
+            tmp = temp_name(path)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                continue
+            finally:
+                os.unlink(tmp)
+            fsync_path(_dir(storage))
+            return rec
+        if storage.exists(path):
+            continue
+        storage.write_atomic(path, data)
+        if storage.read_bytes(path) == data:
+            return rec
+    raise CheckpointError(f"could not open a new attempt under {storage.url}: too many concurrent starts")
+
+
+def check_fence(storage: Storage, mine: int) -> None:
+    """Raise FencedError unless ``mine`` is still the newest attempt of the root."""
+    attempts = list_attempts(storage)
+    if attempts and attempts[-1] > mine:
+        newer = read_attempt(storage, attempts[-1])
+        raise FencedError(mine, attempts[-1], newer.run if newer else "?")
+
+
+def started_before(storage: Storage, attempt: int) -> bool:
+    """Whether a monitor of ``attempt`` already started once (this start is a Ray restart)."""
+    return storage.exists(f"{_dir(storage)}/{attempt}.started")
+
+
+def mark_started(storage: Storage, attempt: int) -> None:
+    storage.write_atomic(f"{_dir(storage)}/{attempt}.started", json.dumps({"at": time.time()}).encode())
+
+
+def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTemplate) -> list[str]:
+    """Discard the ledger records of older attempts, and remove the files they left in steps they
+    did not commit as checkpoints (files no manifest of the step lists). Returns what was removed.
+
+    Committed files are never touched: a step with a checkpoint manifest is left as it is, and in
+    a step whose state dict is committed, only files outside that manifest are removed.
+    """
+    removed = []
+    for other in pending_attempts(storage):
+        if other < attempt:
+            storage.rm(attempt_pending_dir(storage, other))
+            removed.append(f"ledger records of attempt {other}")
+    for _step, entry in sorted(scan_steps(storage, template).items()):
+        if Kind.CHECKPOINT in entry.kinds:
+            continue
+        path = storage.join(entry.name)
+        if not entry.kinds:
+            storage.rm(path)
+            removed.append(entry.name)
+            continue
+        listed = set()
+        for kind in entry.kinds:
+            text = storage.read_text_or_none(f"{path}/{MANIFESTS[kind]}")
+            if text is not None:
+                listed |= {f.path for f in Manifest.model_validate_json(text).files}
+        for rel in storage.walk_files(path):
+            if rel not in listed and not is_internal(rel):
+                storage.rm(f"{path}/{rel}")
+                removed.append(f"{entry.name}/{rel}")
+    if removed:
+        log.warning("attempt %d: removed what older attempts left uncommitted: %s", attempt, ", ".join(removed))
+    return removed

@@ -1,0 +1,219 @@
+"""The commit path: check a step's directory against what its units reported, write its
+manifest(s), then move the trackers. Runs in the monitor's I/O threads; no Ray here.
+
+Invariants it keeps:
+
+* A step is its directory. A manifest lists every file of the step directory that belongs to
+  its kind, including files the job wrote outside any unit (Trinity's other ranks save their
+  shards with a plain ``torch.save``); those are checksummed here.
+* Every file a unit reported must still have the size (and modification time, where the
+  backend keeps one) it was reported with, and every file an earlier manifest of the step lists
+  must be unchanged. Otherwise the commit fails, naming the file: no manifest ever carries a
+  checksum of bytes that are not on storage.
+* Only the newest attempt publishes (:func:`~ckptd.monitor.attempts.check_fence` right before
+  each manifest and tracker), and a tracker never moves back: the value in storage is read
+  before it is replaced.
+* A publish whose outcome is uncertain (it raised, but the rename may have happened) is settled
+  by reading storage back before anyone is told.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+from ckptd import failpoints
+from ckptd.config import Kind
+from ckptd.errors import CheckpointError
+from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, read_tracker
+from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
+from ckptd.monitor.attempts import check_fence
+from ckptd.storage import FileStat, Storage
+from ckptd.template import StepDirTemplate
+
+log = logging.getLogger("ckptd.monitor")
+
+OUTSIDE_UNITS = "(written outside save units)"
+
+
+class CommitCheckError(CheckpointError):
+    """The step directory does not match what its units reported; the step must not commit."""
+
+
+class Deferred(Exception):
+    """The commit must wait: files no unit reported may belong to a unit still running."""
+
+
+@dataclass
+class CommitPlan:
+    """What one commit of a step publishes.
+
+    Attributes:
+        kinds: The kinds committed now, state dict first.
+        reports: Unit key -> the files it reported, for every finished unit of the step.
+        units: Kind -> the unit keys its manifest counts.
+        sd_units: Keys of the units whose files go into a state-dict manifest.
+        committed: Files an earlier manifest of the step lists (they must be unchanged).
+        take_unclaimed: Whether files no unit reported may be attributed now (no unit of the
+            step that could be writing them is running).
+        registered: Kind -> the registered unit count, recorded in the manifest.
+    """
+
+    step: int
+    kinds: list[Kind]
+    reports: dict[str, list[FileEntry]]
+    units: dict[Kind, list[str]]
+    sd_units: set[str]
+    committed: dict[str, FileEntry] = field(default_factory=dict)
+    take_unclaimed: bool = True
+    registered: dict[Kind, int] = field(default_factory=dict)
+
+
+def _same(entry: FileEntry, st: FileStat) -> bool:
+    return entry.size == st.size and (entry.mtime_ns is None or st.mtime_ns is None or entry.mtime_ns == st.mtime_ns)
+
+
+class Committer:
+    """Publishes manifests and trackers for one monitor (one attempt) of one root."""
+
+    def __init__(self, storage: Storage, template: StepDirTemplate, attempt: int) -> None:
+        self.storage = storage
+        self.template = template
+        self.attempt = attempt
+
+    # -- manifests -----------------------------------------------------------------------------
+
+    def commit(self, plan: CommitPlan) -> dict[Kind, Manifest]:
+        """Check the step directory and write the manifests of ``plan.kinds``.
+
+        Raises:
+            Deferred: unreported files appeared while another unit of the step is running.
+            CommitCheckError: a reported or committed file is missing or changed.
+            FencedError: a newer attempt owns the root.
+        """
+        failpoints.hit("before_manifest")
+        name = find_step_dir(self.storage, plan.step, self.template)
+        if name is None:
+            raise CheckpointError(
+                f"no directory of step {plan.step} matches {self.template.template!r}: its save units "
+                "wrote no files, and the directory name needs the epoch"
+            )
+        step_path = self.storage.join(name)
+        on_storage = {rel: st for rel, st in self.storage.walk_files(step_path).items() if not is_internal(rel)}
+        claimed = self._check_reports(plan, step_path, on_storage)
+        for rel, entry in plan.committed.items():
+            st = on_storage.get(rel)
+            if st is None or not _same(entry, st):
+                raise CommitCheckError(
+                    f"{step_path}/{rel} is listed by a committed manifest of step {plan.step} but is "
+                    f"{'gone' if st is None else f'now {st.size} bytes'}; a later save rewrote it. "
+                    "Committed files must not change: save into a new step"
+                )
+        unclaimed = sorted(set(on_storage) - set(claimed) - set(plan.committed))
+        if unclaimed and not plan.take_unclaimed:
+            raise Deferred(unclaimed)
+        outside = self._checksum_unclaimed(step_path, unclaimed, on_storage)
+        manifests = {}
+        for kind in plan.kinds:
+            if kind is Kind.STATE_DICT:
+                files = {rel: e for rel, (e, unit) in claimed.items() if unit in plan.sd_units}
+                files.update(outside)
+            else:
+                files = {rel: e for rel, (e, _unit) in claimed.items()}
+                files.update(plan.committed)
+                files.update(outside)
+            units = plan.units[kind] + ([OUTSIDE_UNITS] if outside else [])
+            manifest = build_manifest(plan.step, kind, units, list(files.values()), attempt=self.attempt,
+                                      registered=plan.registered.get(kind))
+            self._publish(f"{step_path}/{MANIFESTS[kind]}", manifest.to_bytes(), None)
+            manifests[kind] = manifest
+        return manifests
+
+    def _check_reports(self, plan: CommitPlan, step_path: str,
+                       on_storage: dict[str, FileStat]) -> dict[str, tuple[FileEntry, str]]:
+        """rel -> (entry, unit key) for every reported file, checked against storage.
+
+        Two units can report one file (a unit whose save_fn returned None finds files that changed
+        while it ran, which may be another unit's): the report that matches storage wins.
+        """
+        by_path: dict[str, list[tuple[FileEntry, str]]] = {}
+        for unit, entries in plan.reports.items():
+            for e in entries:
+                by_path.setdefault(e.path, []).append((e, unit))
+        out = {}
+        for rel, candidates in sorted(by_path.items()):
+            st = on_storage.get(rel)
+            if st is None:
+                units = ", ".join(sorted({u for _, u in candidates}))
+                raise CommitCheckError(f"{step_path}/{rel}, reported by {units}, is missing from storage")
+            match = [c for c in candidates if _same(c[0], st)]
+            if not match:
+                e, unit = candidates[-1]
+                raise CommitCheckError(
+                    f"{step_path}/{rel} is {st.size} bytes on storage, but {unit} reported {e.size} bytes "
+                    "(or it changed after it was reported): something rewrote it after its save finished. "
+                    "Save functions that return None have their files found by time; return the paths "
+                    "they wrote so each file is attributed exactly"
+                )
+            out[rel] = match[-1]
+        return out
+
+    def _checksum_unclaimed(self, step_path: str, unclaimed: list[str],
+                            on_storage: dict[str, FileStat]) -> dict[str, FileEntry]:
+        out = {}
+        for rel in unclaimed:
+            path = f"{step_path}/{rel}"
+            size, crc = crc32_file(self.storage, path)
+            st = self.storage.stat(path)
+            if size != st.size or not _same(FileEntry(path=rel, size=size, crc32=crc,
+                                                      mtime_ns=on_storage[rel].mtime_ns), st):
+                raise CommitCheckError(
+                    f"{path} changed while it was being checksummed for the commit of its step; no "
+                    "registered save unit reported it, so something outside ckptd is still writing it"
+                )
+            out[rel] = FileEntry(path=rel, size=size, crc32=crc, mtime_ns=st.mtime_ns)
+        self.storage.make_durable([f"{step_path}/{rel}" for rel in out])
+        return out
+
+    # -- trackers ------------------------------------------------------------------------------
+
+    def advance_tracker(self, kind: Kind, step: int) -> bool:
+        """Point the tracker of ``kind`` at ``step`` unless storage already has a newer committed
+        step there; True if it was written."""
+        current = read_tracker(self.storage, kind)
+        if current is not None and current >= step and is_committed(self.storage, current, kind):
+            return False
+        self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(),
+                      partial(failpoints.hit, "before_tracker_rename"))
+        return True
+
+    def write_tracker(self, kind: Kind, step: int) -> None:
+        """Point the tracker at ``step`` whatever it holds (start-up repair, retirement)."""
+        self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(), None)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def _publish(self, path: str, data: bytes, before_publish) -> None:
+        check_fence(self.storage, self.attempt)
+        try:
+            self.storage.write_atomic(path, data, before_publish=before_publish)
+            failpoints.hit("after_publish")
+        except Exception as e:
+            # The rename (or PUT) may have happened before the error (a failed directory fsync,
+            # a lost response): settle it by reading storage, before anyone is told anything.
+            try:
+                published = self.storage.read_bytes(path) == data
+            except Exception:
+                published = False
+            if not published:
+                raise
+            log.warning("publishing %s raised %s: %s, but it is on storage; syncing again", path,
+                        type(e).__name__, e)
+            try:
+                self.storage.make_durable([path])
+            except Exception:
+                # Visible but maybe not durable: take it back, so that what readers see now is
+                # what a crash would leave, and report the failure.
+                self.storage.rm(path)
+                raise e from None

@@ -1,0 +1,255 @@
+"""What coordinators and the monitor share: ids, the records both write and read, and names.
+
+Neither side imports the other's internals; both import this module. It holds:
+
+* the monitor actor's name;
+* :class:`UnitId`: one save unit, that is one ``save_async`` / ``save_sync`` call. Its ``call``
+  id is unique across the run, so two calls with the same name and step are two units, and a
+  notification that Ray or ckptd retries is the same unit;
+* the ledger records under ``root/.ckptd/pending/{attempt}/{step}/``: registrations (written by
+  the monitor before it acknowledges them), unit receipts (written by workers before they report
+  a unit) and step failures (written by the monitor before it reports them). A restarted monitor
+  rebuilds every step in flight from these alone. Records live under the attempt that wrote
+  them, so a new job never counts a dead job's records.
+
+Every record is small JSON published atomically; file names are ids ckptd generated, never
+user-chosen names, so two units can never share a receipt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from ckptd.config import Kind
+from ckptd.layout import LEDGER_DIR
+from ckptd.manifest import FileEntry
+from ckptd.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+
+def actor_name(run: str) -> str:
+    """The Ray actor name of the monitor of ``run``."""
+    return f"ckptd-monitor-{run}"
+
+
+# -- ids -----------------------------------------------------------------------------------------
+
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+_process_nonce = uuid.uuid4().hex[:12]
+
+
+def new_id() -> str:
+    """A run-wide unique id for a unit call or a registration: this process's random nonce and a
+    counter (hex digits and one '-', safe in file names)."""
+    with _seq_lock:
+        n = next(_seq)
+    return f"{_process_nonce}-{n:x}"
+
+
+@dataclass(frozen=True)
+class UnitId:
+    """One save unit: one ``save_async`` or ``save_sync`` call.
+
+    ``worker``, ``name``, ``step`` and ``kind`` say what it is; ``call`` says which call it is
+    (unique across the run), so repeated calls with the same name and step are distinct units.
+    """
+
+    worker: str
+    name: str
+    step: int
+    kind: Kind
+    call: str
+
+    @property
+    def label(self) -> str:
+        """How people name the unit: ``worker/name``."""
+        return f"{self.worker}/{self.name}"
+
+    @property
+    def key(self) -> str:
+        """How the ledger names the unit: ``worker/name#call``, unique across the run."""
+        return f"{self.worker}/{self.name}#{self.call}"
+
+    def to_dict(self) -> dict:
+        return {"worker": self.worker, "name": self.name, "step": self.step, "kind": self.kind.value,
+                "call": self.call}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> UnitId:
+        return cls(d["worker"], d["name"], int(d["step"]), Kind(d["kind"]), d["call"])
+
+
+class UnitFailure(BaseModel):
+    """Why a unit failed: the exception's type, message and formatted traceback."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    unit: str
+    error_type: str
+    message: str
+    traceback: str = ""
+
+    @property
+    def cause(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+class Registration(BaseModel):
+    """One register call: unit counts to add per kind, and the kind it asks to be committed.
+
+    Registrations of a step add up (Trinity's counters); ``reg_id`` makes a retried call count
+    once.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reg_id: str
+    step: int
+    counts: dict[Kind, int]
+    monitored: Kind
+    at: float
+
+
+# -- the ledger records in storage ---------------------------------------------------------------
+
+
+def pending_root(storage: Storage) -> str:
+    return storage.join(LEDGER_DIR, "pending")
+
+
+def attempt_pending_dir(storage: Storage, attempt: int) -> str:
+    return f"{pending_root(storage)}/{attempt}"
+
+
+def step_pending_dir(storage: Storage, attempt: int, step: int) -> str:
+    return f"{attempt_pending_dir(storage, attempt)}/{step}"
+
+
+def _dump(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def write_registration(storage: Storage, attempt: int, reg: Registration) -> None:
+    path = f"{step_pending_dir(storage, attempt, reg.step)}/reg-{reg.reg_id}.json"
+    storage.write_atomic(path, reg.model_dump_json().encode())
+
+
+def _receipt_path(storage: Storage, attempt: int, unit: UnitId) -> str:
+    return f"{step_pending_dir(storage, attempt, unit.step)}/unit-{unit.call}.json"
+
+
+def write_finished(storage: Storage, attempt: int, unit: UnitId, files: list[FileEntry]) -> None:
+    body = {"unit": unit.to_dict(), "status": "finished", "at": time.time(),
+            "files": [f.model_dump() for f in files]}
+    # Not fsynced: a receipt lost to a power cut only means its step does not commit (it times
+    # out, the safe direction); the commit itself is the monitor's fsynced manifest.
+    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body), durable=False)
+
+
+def write_failed(storage: Storage, attempt: int, unit: UnitId, failure: UnitFailure) -> None:
+    """A failure receipt, durable: a restarted monitor must never commit the unit's step."""
+    body = {"unit": unit.to_dict(), "status": "failed", "at": time.time(), "failure": failure.model_dump()}
+    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body))
+
+
+def write_step_failure(storage: Storage, attempt: int, step: int, kind: Kind, reason: str) -> None:
+    path = f"{step_pending_dir(storage, attempt, step)}/failed-{kind.value}.json"
+    storage.write_atomic(path, _dump({"reason": reason, "at": time.time()}))
+
+
+def remove_step_records(storage: Storage, attempt: int, step: int) -> None:
+    storage.rm(step_pending_dir(storage, attempt, step))
+
+
+@dataclass
+class PendingStep:
+    """What storage says about one step of one attempt."""
+
+    step: int
+    registrations: list[Registration] = field(default_factory=list)
+    finished: dict[UnitId, tuple[float, list[FileEntry]]] = field(default_factory=dict)
+    failed: dict[UnitId, tuple[float, UnitFailure]] = field(default_factory=dict)
+    failure_reasons: dict[Kind, str] = field(default_factory=dict)
+
+    def first_seen(self) -> float | None:
+        times = [t for t, _ in self.finished.values()] + [t for t, _ in self.failed.values()]
+        times += [r.at for r in self.registrations]
+        return min(times) if times else None
+
+
+def pending_attempts(storage: Storage) -> list[int]:
+    """The attempts that have ledger records under the root."""
+    out = []
+    for name in storage.listdir(pending_root(storage)):
+        try:
+            out.append(int(name))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def load_pending(storage: Storage, attempt: int) -> Iterator[PendingStep]:
+    """Every step with ledger records of ``attempt``, oldest step first."""
+    steps = []
+    for name in storage.listdir(attempt_pending_dir(storage, attempt)):
+        try:
+            steps.append(int(name))
+        except ValueError:
+            continue
+    for step in sorted(steps):
+        yield _load_one(storage, attempt, step)
+
+
+def _read_json(storage: Storage, path: str) -> dict | None:
+    text = storage.read_text_or_none(path)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        # Records are published atomically, so this is damage from outside ckptd; skipping it
+        # errs on the side of not committing.
+        log.error("ignoring unreadable ledger record %s", path)
+        return None
+
+
+def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
+    d = step_pending_dir(storage, attempt, step)
+    rec = PendingStep(step)
+    for name in sorted(storage.listdir(d)):
+        if not name.endswith(".json"):
+            continue
+        body = _read_json(storage, f"{d}/{name}")
+        if body is None:
+            continue
+        if name.startswith("reg-"):
+            rec.registrations.append(Registration.model_validate(body))
+        elif name.startswith("failed-"):
+            rec.failure_reasons[Kind(name[len("failed-"):-len(".json")])] = body["reason"]
+        elif name.startswith("unit-"):
+            unit = UnitId.from_dict(body["unit"])
+            if body["status"] == "finished":
+                rec.finished[unit] = (float(body["at"]), [FileEntry(**f) for f in body["files"]])
+            else:
+                rec.failed[unit] = (float(body["at"]), UnitFailure(**body["failure"]))
+    rec.registrations.sort(key=lambda r: r.at)
+    return rec
+
+
+def default_worker_id(node_id: str, actor_id: str | None) -> str:
+    """A worker id unique to one coordinator: where it runs, plus a counter of this process."""
+    where = f"actor-{actor_id[:16]}" if actor_id else f"{node_id[:12]}-pid{os.getpid()}"
+    return f"{where}-c{new_id().rsplit('-', 1)[1]}"

@@ -1,0 +1,90 @@
+"""Retiring steps: the explicit way for a job that resumes from an older step to save the newer
+step numbers again.
+
+Committed steps are immutable, and trackers only move forward, so a job that resumes from step
+15 while step 20 is committed could never save 16..20, and ``latest`` would keep naming the old
+timeline's 20. :func:`retire_steps` removes the newer steps and points the trackers back at what
+is left, on the root and (if given) on its mirror. Run it before starting the new job's monitor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckptd.config import Kind
+from ckptd.errors import CheckpointConfigError
+from ckptd.layout import MANIFESTS, TRACKERS, read_template, scan_steps
+from ckptd.storage import Storage
+from ckptd.units import check_step
+
+log = logging.getLogger("ckptd.retire")
+
+
+def retire_steps(root: str, after: int, *, storage_options: dict | None = None, mirror: str | None = None,
+                 mirror_storage_options: dict | None = None) -> list[int]:
+    """Remove every step newer than ``after`` and point the trackers at the newest step left.
+
+    Order keeps readers safe at every moment: manifests go first, newest step first (a step
+    without a manifest is not committed, and what stays committed is always a prefix), then the
+    trackers are rewritten, then the directories are removed. A crash part-way leaves a root that
+    a restarted monitor or a second call repairs.
+
+    Args:
+        root: The checkpoint root.
+        after: Keep steps up to and including this one.
+        storage_options: fsspec options for ``root``.
+        mirror: The mirror URL, if the run has one: retired there too, or ``resume`` would pick
+            the mirror's newer step.
+        mirror_storage_options: fsspec options for ``mirror``.
+
+    Returns:
+        The retired committed steps of the root, oldest first.
+
+    Raises:
+        CheckpointConfigError: a bad step, or a live monitor owns the root (stop it first).
+    """
+    after = check_step(after, "after")
+    storage = Storage(root, storage_options)
+    _refuse_live(storage)
+    retired = _retire(storage, after)
+    if mirror is not None:
+        _retire(Storage(mirror, mirror_storage_options), after)
+    return retired
+
+
+def _refuse_live(storage: Storage) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ckptd.monitor.attempts import current_attempt
+    from ckptd.monitor.service import _live_monitor_of
+
+    rec = current_attempt(storage)
+    if rec is not None and _live_monitor_of(rec) is not None:
+        raise CheckpointConfigError(
+            f"the monitor of run {rec.run!r} (attempt {rec.attempt}) is live on {storage.url}; stop it "
+            "(ray.kill) before retiring steps, then start the new job's monitor"
+        )
+
+
+def _retire(storage: Storage, after: int) -> list[int]:
+    entries = scan_steps(storage, read_template(storage))
+    newer = sorted((s for s in entries if s > after), reverse=True)
+    for step in newer:
+        path = storage.join(entries[step].name)
+        for kind in (Kind.CHECKPOINT, Kind.STATE_DICT):
+            storage.rm(f"{path}/{MANIFESTS[kind]}")
+    for kind in Kind:
+        kept = [s for s, e in entries.items() if s <= after and (Kind.CHECKPOINT in e.kinds or kind in e.kinds)]
+        tracker = storage.join(TRACKERS[kind])
+        if kept:
+            storage.write_atomic(tracker, f"{max(kept)}\n".encode())
+        else:
+            storage.rm(tracker)
+    for step in newer:
+        storage.rm(storage.join(entries[step].name))
+    retired = sorted(s for s in newer if entries[s].committed)
+    if newer:
+        log.warning("retired steps %s under %s", sorted(newer), storage.url)
+    return retired

@@ -1,0 +1,47 @@
+"""The records coordinators and the monitor share (real files, no Ray)."""
+
+from __future__ import annotations
+
+from ckptd import protocol
+from ckptd.config import Kind
+from ckptd.manifest import FileEntry
+from ckptd.protocol import Registration, UnitFailure, UnitId
+from ckptd.storage import Storage
+
+
+def _unit(worker: str, name: str, step: int = 1) -> UnitId:
+    return UnitId(worker, name, step, Kind.CHECKPOINT, protocol.new_id())
+
+
+def test_receipts_of_different_units_never_collide(tmp_path):
+    storage = Storage(str(tmp_path))
+    a, b = _unit("a~b", "c"), _unit("a", "b~c")  # one file name under the old worker~name scheme
+    protocol.write_finished(storage, 1, a, [FileEntry(path="x", size=1, crc32="0")])
+    protocol.write_failed(storage, 1, b, UnitFailure(unit=b.label, error_type="OSError", message="m"))
+    (pending,) = protocol.load_pending(storage, 1)
+    assert set(pending.finished) == {a} and set(pending.failed) == {b}
+
+
+def test_a_retry_of_a_failed_save_never_overwrites_its_failure(tmp_path):
+    storage = Storage(str(tmp_path))
+    first, retry = _unit("w", "model"), _unit("w", "model")  # same worker, name and step: two calls
+    protocol.write_failed(storage, 1, first, UnitFailure(unit=first.label, error_type="OSError", message="m"))
+    protocol.write_finished(storage, 1, retry, [])
+    (pending,) = protocol.load_pending(storage, 1)
+    assert set(pending.failed) == {first} and set(pending.finished) == {retry}
+
+
+def test_records_belong_to_their_attempt(tmp_path):
+    storage = Storage(str(tmp_path))
+    reg = Registration(reg_id=protocol.new_id(), step=3, counts={Kind.CHECKPOINT: 2}, monitored=Kind.CHECKPOINT, at=1.0)
+    protocol.write_registration(storage, 1, reg)
+    protocol.write_step_failure(storage, 1, 3, Kind.CHECKPOINT, "timed out")
+    assert list(protocol.load_pending(storage, 2)) == []
+    (pending,) = protocol.load_pending(storage, 1)
+    assert pending.registrations == [reg] and pending.failure_reasons == {Kind.CHECKPOINT: "timed out"}
+    assert protocol.pending_attempts(storage) == [1]
+
+
+def test_ids_and_default_worker_ids_are_unique():
+    assert len({protocol.new_id() for _ in range(1000)}) == 1000
+    assert protocol.default_worker_id("n" * 20, None) != protocol.default_worker_id("n" * 20, None)

@@ -11,24 +11,21 @@ import atexit
 import logging
 import os
 import threading
-import time
-import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from ckptd import failpoints, protocol
+from ckptd import protocol
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.client import MonitorClient
-from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
 from ckptd.coordinator.lanes import Job, Lane
 from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild, tensors_of
+from ckptd.coordinator.unit_runner import UnitRunner
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
-from ckptd.layout import find_step_dir
-from ckptd.manifest import FileEntry, WrittenFile
-from ckptd.protocol import UnitFailure, UnitId
+from ckptd.manifest import WrittenFile
+from ckptd.protocol import UnitId
 from ckptd.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -97,13 +94,13 @@ class CheckpointCoordinator:
         self._root_url = cfg["root"]
         self._storage = Storage(cfg["root"], cfg["storage_options"])
         self._template = StepDirTemplate(cfg["step_dir_template"])
-        self._strategy = SaveStrategy(cfg["save_strategy"])
-        self._lease_s = float(cfg["slot_lease_s"])
         ctx = ray.get_runtime_context()
         self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),
                                   "worker_id")
-        self._node = ctx.get_node_id()
-        self._process = f"{self._node}:{os.getpid()}"
+        node = ctx.get_node_id()
+        self._runner = UnitRunner(self._client, self._storage, self._template, self._attempt,
+                                  SaveStrategy(cfg["save_strategy"]), float(cfg["slot_lease_s"]), node,
+                                  f"{node}:{os.getpid()}")
         self._max_pending = max_pending
         self._max_staged = max_staged
         self._stagers: dict[str, Stager] = {}
@@ -111,9 +108,7 @@ class CheckpointCoordinator:
         self._lock = threading.Lock()
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
-        self._held: dict[str, tuple[str, str, str]] = {}
-        self._heartbeat: threading.Thread | None = None
-        self._closed = threading.Event()
+        self._closed = self._runner.closed
         self._check_shared_root()
         _live.add(self)
 
@@ -290,7 +285,7 @@ class CheckpointCoordinator:
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
-        err = self._run_unit(Job(unit, save_fn))
+        err = self._runner.run(Job(unit, save_fn))
         if err is not None:
             raise err from err.__cause__
 
@@ -420,90 +415,10 @@ class CheckpointCoordinator:
                       protocol.new_id())
 
     def _run_job(self, job: Job) -> None:
-        err = self._run_unit(job)
+        err = self._runner.run(job)
         if err is not None:
             with self._lock:
                 self._errors.append(err)
-
-    def _run_unit(self, job: Job) -> CheckpointSaveError | None:
-        """Run one unit to its end and report it; return the error if it failed."""
-        unit = job.unit
-        slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
-        try:
-            self._start(unit, slot)
-        except _Refused as e:
-            # Not part of its step: nothing was written, and nothing is reported as failed.
-            log.error("save %s of step %d (%s) refused: %s", unit.label, unit.step, unit.kind.value, e)
-            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, f"not saved: {e}")
-        except Exception as e:
-            return self._report_failure(unit, e)
-        try:
-            files = self._execute(unit, job.save_fn)
-            failpoints.hit("after_unit_write")
-            protocol.write_finished(self._storage, self._attempt, unit, files)
-            answer = self._client.notify(("finished", unit.to_dict(), [f.model_dump() for f in files]))
-        except Exception as e:
-            return self._report_failure(unit, e)
-        finally:
-            with self._lock:
-                self._held.pop(slot, None)
-        if answer and "refused" in answer:
-            # The monitor has recorded what this means for the step (nothing, or its failure).
-            log.error("save %s of step %d (%s) does not count: %s", unit.label, unit.step, unit.kind.value,
-                      answer["refused"])
-            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, answer["refused"])
-        return None
-
-    def _start(self, unit: UnitId, slot: str) -> None:
-        """Ask the monitor whether the unit may write (its step is neither committed nor failed)
-        and, with a save strategy, wait for a writer slot.
-
-        Raises:
-            _Refused: the unit must not write.
-        """
-        if self._strategy is SaveStrategy.UNRESTRICTED:
-            answer = self._client.notify(("started", unit.to_dict(), None))
-            if answer and "refused" in answer:
-                raise _Refused(answer["refused"])
-            return
-        result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
-        if "aborted" in result:
-            raise _Refused(result["aborted"])
-        with self._lock:
-            self._held[slot] = (slot, self._node, self._process)
-            if self._heartbeat is None:
-                self._heartbeat = threading.Thread(target=self._renew_loop, name="ckptd-slot-heartbeat", daemon=True)
-                self._heartbeat.start()
-
-    def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
-        started_ns = time.time_ns()
-        listed_before = None
-        if not self._storage.is_posix:
-            # Object stores: which files are new is found by comparing listings (see discover_files).
-            name = find_step_dir(self._storage, unit.step, self._template)
-            listed_before = {} if name is None else self._storage.walk_files(self._storage.join(name))
-        returned = save_fn()
-        if returned is not None:
-            if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
-                raise CheckpointConfigError(
-                    f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
-                )
-            returned = list(returned)
-        # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
-        step_path = self._step_path(unit.step, returned)
-        if step_path is None:
-            return []
-        if returned is not None:
-            return describe_returned_files(self._storage, step_path, returned)
-        return discover_files(self._storage, step_path, started_ns, listed_before)
-
-    def _step_path(self, step: int, returned: list | None) -> str | None:
-        if returned and self._template.needs_epoch:
-            path = step_path_of(self._storage, returned)
-            if path is not None:
-                return path
-        name = find_step_dir(self._storage, step, self._template)
-        return None if name is None else self._storage.join(name)
 
     def step_dir(self, global_step: int, epoch: int | None = None) -> str:
         """The directory save functions of ``global_step`` write into (see :func:`ckptd.step_dir`).
@@ -513,44 +428,6 @@ class CheckpointCoordinator:
             epoch: Required when the run's ``step_dir_template`` contains ``{epoch}``.
         """
         return f"{self._root_url.rstrip('/')}/{self._template.name(global_step, epoch)}"
-
-    def _report_failure(self, unit: UnitId, exc: Exception) -> CheckpointSaveError:
-        failure = UnitFailure(
-            unit=unit.label, error_type=type(exc).__qualname__, message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        )
-        log.error("save %s of step %d (%s) failed: %s", unit.label, unit.step, unit.kind.value, failure.cause)
-        # The error reaches the caller through wait_all() whatever happens below. The receipt is
-        # durable before the monitor hears of the failure, so no restarted monitor can commit the
-        # step; if it cannot be written, the monitor records the failure itself when told.
-        try:
-            protocol.write_failed(self._storage, self._attempt, unit, failure)
-        except Exception as e:
-            log.error("could not write the failure receipt of %s: %s", unit.label, e)
-        try:
-            self._client.notify(("failed", unit.to_dict(), failure.model_dump()))
-        except Exception as e:
-            log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
-        err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
-        err.__cause__ = exc
-        return err
-
-    # -- writer slots --------------------------------------------------------------------------
-
-    def _renew_loop(self) -> None:
-        while not self._closed.wait(self._lease_s / 3):
-            with self._lock:
-                held = list(self._held.values())
-            if held:
-                try:
-                    self._client.call("renew_slots", held)
-                except Exception as e:
-                    log.warning("could not renew writer slots: %s", e)
-
-
-class _Refused(CheckpointError):
-    """The monitor refused a unit before it wrote anything."""
-
 
 def _raise_for(result: dict) -> None:
     err = result.get("error")

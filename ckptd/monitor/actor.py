@@ -23,8 +23,8 @@ import ray
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError
-from ckptd.layout import MANIFESTS, read_tracker, scan_steps
-from ckptd.manifest import FileEntry, Manifest
+from ckptd.layout import read_tracker
+from ckptd.manifest import FileEntry
 from ckptd.monitor.attempts import (
     FencedError,
     check_fence,
@@ -32,9 +32,11 @@ from ckptd.monitor.attempts import (
     mark_started,
     started_before,
 )
-from ckptd.monitor.commit import CommitCheckError, CommitPlan, Committer, Deferred
-from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
+from ckptd.monitor.commit import Committer
+from ckptd.monitor.commit_flow import CommitFlow
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.monitor.mirror import Mirror
+from ckptd.monitor.rebuild import rebuild
 from ckptd.monitor.retention import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
 from ckptd.monitor.status import build_status
@@ -46,16 +48,14 @@ from ckptd.units import check_count, check_step
 
 log = logging.getLogger("ckptd.monitor")
 
-_RETRY_BASE_S = 0.05
 _HISTORY = 1000  # unshared writers reported by status()
-_NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
 def _slot_key(unit: UnitId) -> str:
     return f"{unit.step}/{unit.kind.value}/{unit.key}"
 
 
-class CheckpointMonitor:
+class CheckpointMonitor(CommitFlow):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -98,7 +98,14 @@ class CheckpointMonitor:
             mark_started(self._storage, attempt)
         self._slots = SlotLeases(self._opts.save_strategy, self._opts.slot_lease_s, restarted)
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
-        ready = self._rebuild()
+        # Runs before the actor serves any request, so blocking I/O is fine here.
+        rebuilt = rebuild(self._storage, self._template, self._attempt, self._ledger,
+                          None if self._fenced else self._committer, self._trackers)
+        self._committed_at_start = rebuilt.committed_at_start
+        self._failures_recorded |= rebuilt.failures
+        self._failures_durable |= rebuilt.failures
+        for step in rebuilt.settled:
+            self._io.submit(self._cleanup, step)
         self._mirror: Mirror | None = None
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup)
@@ -108,67 +115,9 @@ class CheckpointMonitor:
                                   self._retention.schedule)
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
-        for rec in ready:
+        for rec in rebuilt.steps:
             self._spawn(self._after_change(rec))
         self._retention.schedule()
-
-    # -- start-up ------------------------------------------------------------------------------
-
-    def _rebuild(self) -> list[StepRecord]:
-        """Rebuild the ledger from storage; return the steps to look at once the loop runs.
-
-        Runs once, before the actor serves any request, so blocking I/O is fine here.
-        """
-        now = time.time()
-        newest: dict[Kind, int] = {}
-        scanned = scan_steps(self._storage, self._template)
-        self._committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
-        for step, entry in scanned.items():
-            for kind in entry.kinds:
-                manifest = None
-                if kind is SD and Kind.CHECKPOINT not in entry.kinds:
-                    # Only a state dict whose full checkpoint may still come needs its units and files.
-                    text = self._storage.read_text_or_none(self._storage.join(entry.name, MANIFESTS[kind]))
-                    manifest = Manifest.model_validate_json(text) if text else None
-                self._ledger.mark_committed(step, kind, now, manifest and manifest.units,
-                                            manifest and manifest.files)
-                newest[kind] = max(newest.get(kind, -1), step)
-        newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
-        if self._fenced is None:
-            self._repair_trackers(newest)
-        steps = []
-        for pending in protocol.load_pending(self._storage, self._attempt):
-            if self._ledger.is_committed(pending.step, Kind.CHECKPOINT):
-                self._io.submit(self._cleanup, pending.step)
-                continue
-            for reg in pending.registrations:
-                self._ledger.register(reg, replay=True)
-            for unit, (t, files) in pending.finished.items():
-                self._ledger.finish(unit, files, t)
-            for unit, (t, failure) in pending.failed.items():
-                self._ledger.fail(unit, failure, t)
-            rec = self._ledger.get(pending.step)
-            if rec is None:
-                continue
-            rec.first_seen = min(rec.first_seen, pending.first_seen() or now)
-            for kind, reason in pending.failure_reasons.items():
-                self._ledger.fail_kind(rec, kind, reason)
-                self._failures_recorded.add((pending.step, kind))
-                self._failures_durable.add((pending.step, kind))
-            steps.append(rec)
-        return steps
-
-    def _repair_trackers(self, newest: dict[Kind, int]) -> None:
-        """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
-        edited by hand (or left by a retirement) may name a step that is not committed. Both are
-        set to the newest committed step."""
-        for kind, step in newest.items():
-            current = self._trackers[kind]
-            if step < 0 or current == step:
-                continue
-            if current is None or current < step or not self._ledger.is_committed(current, kind):
-                self._committer.write_tracker(kind, step)
-                self._trackers[kind] = step
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_event_loop().create_task(coro)
@@ -373,135 +322,6 @@ class CheckpointMonitor:
             return True
         except asyncio.TimeoutError:
             return False
-
-    # -- commit --------------------------------------------------------------------------------
-
-    def _event(self, step: int, kind: Kind) -> asyncio.Event:
-        event = self._events.get((step, kind))
-        if event is None:
-            event = self._events[(step, kind)] = asyncio.Event()
-            if self._settled(step, kind):
-                event.set()
-        return event
-
-    def _settled(self, step: int, kind: Kind) -> bool:
-        state = self._ledger.state_of(step, kind)
-        if state is StepState.FAILED:
-            return (step, kind) in self._failures_durable
-        return state is StepState.COMMITTED
-
-    def _wake(self, step: int, kind: Kind) -> None:
-        event = self._events.pop((step, kind), None)
-        if event is not None:
-            event.set()
-
-    async def _after_change(self, rec: StepRecord) -> None:
-        """Start the commits the step is ready for; make new failures durable, then report them."""
-        kinds = self._ledger.ready(rec)
-        if kinds:
-            self._ledger.begin_commit(rec, kinds, time.time())
-            self._spawn(self._commit(rec, kinds))
-        for kind in Kind:
-            if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
-                await self._record_failure(rec, kind)
-
-    async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
-        key = (rec.step, kind)
-        self._failures_recorded.add(key)  # before the await: one record per failure
-        reason = rec[kind].reason or "failed"
-        try:
-            await self._in_thread(protocol.write_step_failure, self._storage, self._attempt, rec.step, kind, reason)
-        except Exception as e:
-            # The unit's own failure receipt (if any) still keeps the step from committing after a
-            # restart; a timeout or commit failure would be found again by the restarted monitor.
-            log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
-        self._failures_durable.add(key)
-        log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
-        self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
-        self._wake(rec.step, kind)
-
-    def _plan(self, rec: StepRecord, kinds: list[Kind]) -> CommitPlan:
-        reports = {key: u.files for key, u in rec.units.items() if u.files is not None}
-        sd_units = [u.unit.key for u in rec.counted(SD) if u.files is not None]
-        return CommitPlan(
-            step=rec.step, kinds=kinds, reports=reports, sd_units=set(sd_units),
-            units={SD: sd_units, Kind.CHECKPOINT: sorted(reports)},
-            take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
-            registered={k: rec[k].expected for k in Kind},
-        )
-
-    async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
-        plan = self._plan(rec, kinds)
-        try:
-            manifests = await self._retrying(self._committer.commit, plan)
-        except Deferred:
-            log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
-            self._ledger.defer(rec, SD)
-            await self._after_change(rec)  # the units it waits for may have finished meanwhile
-            return
-        except Exception as e:
-            if isinstance(e, FencedError):
-                self._fenced = str(e)
-            tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
-            reason = f"commit failed{tries}: {type(e).__name__}: {e}"
-            for kind in kinds:
-                self._ledger.fail_kind(rec, kind, reason)
-            await self._after_change(rec)
-            return
-        # The manifest makes the step committed for readers; the trackers only point at it. A
-        # tracker that cannot be advanced does not uncommit the step (the next commit, or the
-        # next start-up, moves it forward). Waiters are released only after both, so that
-        # latest_step() agrees with wait_committed().
-        try:
-            await self._advance_trackers(rec.step, Kind.CHECKPOINT if Kind.CHECKPOINT in kinds else SD)
-        except Exception as e:
-            for kind in kinds:
-                rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
-            log.error("step %d: %s", rec.step, rec[kinds[0]].reason)
-        now = time.time()
-        for kind in kinds:
-            self._ledger.commit_done(rec, kind, now, plan.units[kind], manifests[kind].files)
-            self._wake(rec.step, kind)
-        if self._mirror is not None and (any(self._mirror.mirrors(k) for k in kinds)
-                                         or self._ledger.is_committed(rec.step, Kind.CHECKPOINT)):
-            # Before retention runs: the step is protected until mirrored. A state dict committed
-            # after its step's checkpoint goes up too: readers of the step see both manifests.
-            self._mirror.enqueue(rec.step)
-        if Kind.CHECKPOINT in kinds:
-            # Best-effort: records of a committed step are ignored and removed again at start-up.
-            self._io.submit(self._cleanup, rec.step)
-        self._ledger.prune(self._opts.status_history)
-        self._retention.schedule()
-        await self._after_change(rec)  # the checkpoint may have waited for this state dict
-
-    async def _retrying(self, fn, *args) -> Any:
-        for attempt in range(self._opts.commit_retries + 1):
-            try:
-                return await self._in_thread(fn, *args)
-            except _NOT_RETRIED:
-                raise
-            except Exception as e:
-                if attempt == self._opts.commit_retries:
-                    raise
-                log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
-                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
-
-    async def _advance_trackers(self, step: int, kind: Kind) -> None:
-        # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
-        kinds = (Kind.CHECKPOINT, SD) if kind is Kind.CHECKPOINT else (SD,)
-        async with self._tracker_lock:  # trackers only move forward, one writer at a time
-            for k in kinds:
-                current = self._trackers[k]
-                if current is not None and step <= current:
-                    continue
-                await self._retrying(self._committer.advance_tracker, k, step)
-                self._trackers[k] = step
-
-    def _cleanup(self, step: int) -> None:
-        try:
-            protocol.remove_step_records(self._storage, self._attempt, step)
-        except Exception as e:
-            log.warning("could not remove ledger records of step %d: %s", step, e)
 
     def _protected(self) -> set[int]:
         protected = self._ledger.in_flight_steps() | {s for s in self._trackers.values() if s is not None}

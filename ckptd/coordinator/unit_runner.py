@@ -1,0 +1,170 @@
+"""The life of one save unit in a worker: admitted by the monitor, run, its files described and
+made durable, its receipt written, then reported."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ckptd import failpoints, protocol
+from ckptd.config import SaveStrategy
+from ckptd.coordinator.client import MonitorClient
+from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
+from ckptd.coordinator.lanes import Job
+from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from ckptd.layout import find_step_dir
+from ckptd.manifest import FileEntry
+from ckptd.protocol import UnitFailure, UnitId
+from ckptd.storage import Storage
+from ckptd.template import StepDirTemplate
+
+log = logging.getLogger("ckptd.coordinator")
+
+
+class UnitRunner:
+    """Runs units for one coordinator (from its save threads, or the caller's for save_sync).
+
+    Args:
+        client: The monitor client.
+        storage, template, attempt: Where the run's files and records go.
+        strategy, lease_s, node, process: Write throttling: slots are held with a lease, renewed
+            by a heartbeat thread while any is held.
+    """
+
+    def __init__(self, client: MonitorClient, storage: Storage, template: StepDirTemplate, attempt: int,
+                 strategy: SaveStrategy, lease_s: float, node: str, process: str) -> None:
+        self._client = client
+        self._storage = storage
+        self._template = template
+        self._attempt = attempt
+        self._strategy = strategy
+        self._lease_s = lease_s
+        self._node = node
+        self._process = process
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[str, str, str]] = {}
+        self._heartbeat: threading.Thread | None = None
+        self.closed = threading.Event()
+
+    def run(self, job: Job) -> CheckpointSaveError | None:
+        """Run one unit to its end and report it; return the error if it failed."""
+        unit = job.unit
+        slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
+        try:
+            self._start(unit, slot)
+        except _Refused as e:
+            # Not part of its step: nothing was written, and nothing is reported as failed.
+            log.error("save %s of step %d (%s) refused: %s", unit.label, unit.step, unit.kind.value, e)
+            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, f"not saved: {e}")
+        except Exception as e:
+            return self._report_failure(unit, e)
+        try:
+            files = self._execute(unit, job.save_fn)
+            failpoints.hit("after_unit_write")
+            protocol.write_finished(self._storage, self._attempt, unit, files)
+            answer = self._client.notify(("finished", unit.to_dict(), [f.model_dump() for f in files]))
+        except Exception as e:
+            return self._report_failure(unit, e)
+        finally:
+            with self._lock:
+                self._held.pop(slot, None)
+        if answer and "refused" in answer:
+            # The monitor has recorded what this means for the step (nothing, or its failure).
+            log.error("save %s of step %d (%s) does not count: %s", unit.label, unit.step, unit.kind.value,
+                      answer["refused"])
+            return CheckpointSaveError(unit.step, unit.kind.value, unit.label, answer["refused"])
+        return None
+
+    def _start(self, unit: UnitId, slot: str) -> None:
+        """Ask the monitor whether the unit may write (its step is neither committed nor failed)
+        and, with a save strategy, wait for a writer slot.
+
+        Raises:
+            _Refused: the unit must not write.
+        """
+        if self._strategy is SaveStrategy.UNRESTRICTED:
+            answer = self._client.notify(("started", unit.to_dict(), None))
+            if answer and "refused" in answer:
+                raise _Refused(answer["refused"])
+            return
+        result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
+        if "aborted" in result:
+            raise _Refused(result["aborted"])
+        with self._lock:
+            self._held[slot] = (slot, self._node, self._process)
+            if self._heartbeat is None:
+                self._heartbeat = threading.Thread(target=self._renew_loop, name="ckptd-slot-heartbeat", daemon=True)
+                self._heartbeat.start()
+
+    def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
+        started_ns = time.time_ns()
+        listed_before = None
+        if not self._storage.is_posix:
+            # Object stores: which files are new is found by comparing listings (see discover_files).
+            name = find_step_dir(self._storage, unit.step, self._template)
+            listed_before = {} if name is None else self._storage.walk_files(self._storage.join(name))
+        returned = save_fn()
+        if returned is not None:
+            if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+                raise CheckpointConfigError(
+                    f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
+                )
+            returned = list(returned)
+        # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
+        step_path = self._step_path(unit.step, returned)
+        if step_path is None:
+            return []
+        if returned is not None:
+            return describe_returned_files(self._storage, step_path, returned)
+        return discover_files(self._storage, step_path, started_ns, listed_before)
+
+    def _step_path(self, step: int, returned: list | None) -> str | None:
+        if returned and self._template.needs_epoch:
+            path = step_path_of(self._storage, returned)
+            if path is not None:
+                return path
+        name = find_step_dir(self._storage, step, self._template)
+        return None if name is None else self._storage.join(name)
+
+    def _report_failure(self, unit: UnitId, exc: Exception) -> CheckpointSaveError:
+        failure = UnitFailure(
+            unit=unit.label, error_type=type(exc).__qualname__, message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+        log.error("save %s of step %d (%s) failed: %s", unit.label, unit.step, unit.kind.value, failure.cause)
+        # The error reaches the caller through wait_all() whatever happens below. The receipt is
+        # durable before the monitor hears of the failure, so no restarted monitor can commit the
+        # step; if it cannot be written, the monitor records the failure itself when told.
+        try:
+            protocol.write_failed(self._storage, self._attempt, unit, failure)
+        except Exception as e:
+            log.error("could not write the failure receipt of %s: %s", unit.label, e)
+        try:
+            self._client.notify(("failed", unit.to_dict(), failure.model_dump()))
+        except Exception as e:
+            log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
+        err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
+        err.__cause__ = exc
+        return err
+
+    # -- writer slots --------------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        while not self.closed.wait(self._lease_s / 3):
+            with self._lock:
+                held = list(self._held.values())
+            if held:
+                try:
+                    self._client.call("renew_slots", held)
+                except Exception as e:
+                    log.warning("could not renew writer slots: %s", e)
+
+
+class _Refused(CheckpointError):
+    """The monitor refused a unit before it wrote anything."""
+
+

@@ -1,0 +1,154 @@
+"""The commit half of the CheckpointMonitor actor: when the ledger says a step is ready, run the
+commit path, advance the trackers, wake the waiters; make failures durable before reporting them.
+
+A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor` (it uses the actor's ledger, committer,
+thread pool and waiters), kept apart because it is one idea: what happens after a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ckptd import protocol
+from ckptd.config import Kind
+from ckptd.monitor.attempts import FencedError
+from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
+from ckptd.monitor.ledger import SD, StepRecord, StepState
+
+log = logging.getLogger("ckptd.monitor")
+
+_RETRY_BASE_S = 0.05
+_NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
+
+
+class CommitFlow:
+    def _event(self, step: int, kind: Kind) -> asyncio.Event:
+        event = self._events.get((step, kind))
+        if event is None:
+            event = self._events[(step, kind)] = asyncio.Event()
+            if self._settled(step, kind):
+                event.set()
+        return event
+
+    def _settled(self, step: int, kind: Kind) -> bool:
+        state = self._ledger.state_of(step, kind)
+        if state is StepState.FAILED:
+            return (step, kind) in self._failures_durable
+        return state is StepState.COMMITTED
+
+    def _wake(self, step: int, kind: Kind) -> None:
+        event = self._events.pop((step, kind), None)
+        if event is not None:
+            event.set()
+
+    async def _after_change(self, rec: StepRecord) -> None:
+        """Start the commits the step is ready for; make new failures durable, then report them."""
+        kinds = self._ledger.ready(rec)
+        if kinds:
+            self._ledger.begin_commit(rec, kinds, time.time())
+            self._spawn(self._commit(rec, kinds))
+        for kind in Kind:
+            if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
+                await self._record_failure(rec, kind)
+
+    async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
+        key = (rec.step, kind)
+        self._failures_recorded.add(key)  # before the await: one record per failure
+        reason = rec[kind].reason or "failed"
+        try:
+            await self._in_thread(protocol.write_step_failure, self._storage, self._attempt, rec.step, kind, reason)
+        except Exception as e:
+            # The unit's own failure receipt (if any) still keeps the step from committing after a
+            # restart; a timeout or commit failure would be found again by the restarted monitor.
+            log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
+        self._failures_durable.add(key)
+        log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
+        self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
+        self._wake(rec.step, kind)
+
+    def _plan(self, rec: StepRecord, kinds: list[Kind]) -> CommitPlan:
+        reports = {key: u.files for key, u in rec.units.items() if u.files is not None}
+        sd_units = [u.unit.key for u in rec.counted(SD) if u.files is not None]
+        return CommitPlan(
+            step=rec.step, kinds=kinds, reports=reports, sd_units=set(sd_units),
+            units={SD: sd_units, Kind.CHECKPOINT: sorted(reports)},
+            take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
+            registered={k: rec[k].expected for k in Kind},
+        )
+
+    async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
+        plan = self._plan(rec, kinds)
+        try:
+            manifests = await self._retrying(self._committer.commit, plan)
+        except Deferred:
+            log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
+            self._ledger.defer(rec, SD)
+            await self._after_change(rec)  # the units it waits for may have finished meanwhile
+            return
+        except Exception as e:
+            if isinstance(e, FencedError):
+                self._fenced = str(e)
+            tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
+            reason = f"commit failed{tries}: {type(e).__name__}: {e}"
+            for kind in kinds:
+                self._ledger.fail_kind(rec, kind, reason)
+            await self._after_change(rec)
+            return
+        # The manifest makes the step committed for readers; the trackers only point at it. A
+        # tracker that cannot be advanced does not uncommit the step (the next commit, or the
+        # next start-up, moves it forward). Waiters are released only after both, so that
+        # latest_step() agrees with wait_committed().
+        try:
+            await self._advance_trackers(rec.step, Kind.CHECKPOINT if Kind.CHECKPOINT in kinds else SD)
+        except Exception as e:
+            for kind in kinds:
+                rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
+            log.error("step %d: %s", rec.step, rec[kinds[0]].reason)
+        now = time.time()
+        for kind in kinds:
+            self._ledger.commit_done(rec, kind, now, plan.units[kind], manifests[kind].files)
+            self._wake(rec.step, kind)
+        if self._mirror is not None and (any(self._mirror.mirrors(k) for k in kinds)
+                                         or self._ledger.is_committed(rec.step, Kind.CHECKPOINT)):
+            # Before retention runs: the step is protected until mirrored. A state dict committed
+            # after its step's checkpoint goes up too: readers of the step see both manifests.
+            self._mirror.enqueue(rec.step)
+        if Kind.CHECKPOINT in kinds:
+            # Best-effort: records of a committed step are ignored and removed again at start-up.
+            self._io.submit(self._cleanup, rec.step)
+        self._ledger.prune(self._opts.status_history)
+        self._retention.schedule()
+        await self._after_change(rec)  # the checkpoint may have waited for this state dict
+
+    async def _retrying(self, fn, *args) -> Any:
+        for attempt in range(self._opts.commit_retries + 1):
+            try:
+                return await self._in_thread(fn, *args)
+            except _NOT_RETRIED:
+                raise
+            except Exception as e:
+                if attempt == self._opts.commit_retries:
+                    raise
+                log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
+                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
+
+    async def _advance_trackers(self, step: int, kind: Kind) -> None:
+        # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
+        kinds = (Kind.CHECKPOINT, SD) if kind is Kind.CHECKPOINT else (SD,)
+        async with self._tracker_lock:  # trackers only move forward, one writer at a time
+            for k in kinds:
+                current = self._trackers[k]
+                if current is not None and step <= current:
+                    continue
+                await self._retrying(self._committer.advance_tracker, k, step)
+                self._trackers[k] = step
+
+    def _cleanup(self, step: int) -> None:
+        try:
+            protocol.remove_step_records(self._storage, self._attempt, step)
+        except Exception as e:
+            log.warning("could not remove ledger records of step %d: %s", step, e)
+

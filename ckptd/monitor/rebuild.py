@@ -1,0 +1,83 @@
+"""A monitor's start-up: its ledger rebuilt from storage alone (manifests and its attempt's
+records), and trackers repaired."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ckptd import protocol
+from ckptd.config import Kind
+from ckptd.layout import MANIFESTS, scan_steps
+from ckptd.manifest import Manifest
+from ckptd.monitor.commit import Committer
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord
+from ckptd.storage import Storage
+from ckptd.template import StepDirTemplate
+
+
+@dataclass
+class Rebuilt:
+    steps: list[StepRecord] = field(default_factory=list)  # in flight: look at them once running
+    committed_at_start: dict[int, frozenset[Kind]] = field(default_factory=dict)
+    failures: set[tuple[int, Kind]] = field(default_factory=set)  # recorded in storage already
+    settled: list[int] = field(default_factory=list)  # committed steps whose records can go
+
+
+def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: StepLedger,
+            committer: Committer | None, trackers: dict[Kind, int | None]) -> Rebuilt:
+    """Fill ``ledger`` from storage, and (with a ``committer``) repair ``trackers`` in storage
+    and in the dict.
+
+    A committed state dict whose full checkpoint may still come is read back (its units and files
+    decide what later units of the step may do); a committed checkpoint needs nothing more.
+    """
+    out = Rebuilt()
+    now = time.time()
+    newest: dict[Kind, int] = {}
+    scanned = scan_steps(storage, template)
+    out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
+    for step, entry in scanned.items():
+        for kind in entry.kinds:
+            manifest = None
+            if kind is SD and Kind.CHECKPOINT not in entry.kinds:
+                text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
+                manifest = Manifest.model_validate_json(text) if text else None
+            ledger.mark_committed(step, kind, now, manifest and manifest.units, manifest and manifest.files)
+            newest[kind] = max(newest.get(kind, -1), step)
+    newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
+    if committer is not None:
+        _repair_trackers(committer, ledger, newest, trackers)
+    for pending in protocol.load_pending(storage, attempt):
+        if ledger.is_committed(pending.step, Kind.CHECKPOINT):
+            out.settled.append(pending.step)
+            continue
+        for reg in pending.registrations:
+            ledger.register(reg, replay=True)
+        for unit, (t, files) in pending.finished.items():
+            ledger.finish(unit, files, t)
+        for unit, (t, failure) in pending.failed.items():
+            ledger.fail(unit, failure, t)
+        rec = ledger.get(pending.step)
+        if rec is None:
+            continue
+        rec.first_seen = min(rec.first_seen, pending.first_seen() or now)
+        for kind, reason in pending.failure_reasons.items():
+            ledger.fail_kind(rec, kind, reason)
+            out.failures.add((pending.step, kind))
+        out.steps.append(rec)
+    return out
+
+
+def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],
+                     trackers: dict[Kind, int | None]) -> None:
+    """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
+    edited by hand (or left by a retirement) may name a step that is not committed. Both are set
+    to the newest committed step."""
+    for kind, step in newest.items():
+        current = trackers[kind]
+        if step < 0 or current == step:
+            continue
+        if current is None or current < step or not ledger.is_committed(current, kind):
+            committer.write_tracker(kind, step)
+            trackers[kind] = step

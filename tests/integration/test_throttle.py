@@ -118,3 +118,46 @@ def _write(root: str, step: int) -> None:
     os.makedirs(d, exist_ok=True)
     with open(f"{d}/m.bin", "wb") as f:
         f.write(b"x" * 100)
+
+
+def test_single_thread_holds_across_a_monitor_restart(make_monitor, tmp_path):
+    """A holds the slot and B waits; the monitor is killed, and Ray retries B's request on the new
+    monitor. B must not be granted before A, which re-announces its slot, has finished."""
+    from .helpers import restart_monitor
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, save_strategy="single_thread", slot_lease_s=3.0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    gate = Signal.remote()
+    lock, active, overlaps = threading.Lock(), [], []
+
+    def unit(name, wait):
+        def fn():
+            with lock:
+                if active:
+                    overlaps.append((name, list(active)))
+                active.append(name)
+            if wait:
+                ray.get(gate.wait.remote())
+            with lock:
+                active.remove(name)
+            path = f"{ckptd.step_dir(root, 1)}/{name}.bin"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(name.encode())
+            return [path]
+        return fn
+
+    coord.save_async("a", unit("a", True), 1)
+    wait_for(lambda: _units(status(monitor).writers.holders) == [_slot(1, "w0", "a")], what="a to hold")
+    coord.save_async("b", unit("b", False), 1)
+    wait_for(lambda: _units(status(monitor).writers.waiting) == [_slot(1, "w0", "b")], what="b to queue")
+    restart_monitor(monitor)
+    # a re-announces within a third of a lease; b's retried request waits for it
+    wait_for(lambda: _units(status(monitor).writers.holders) == [_slot(1, "w0", "a")], what="a to re-announce")
+    assert _slot(1, "w0", "b") not in _units(status(monitor).writers.holders)
+    ray.get(gate.send.remote())
+    coord.register(1, checkpoint_thread_count=2)
+    coord.wait_all()
+    coord.wait_committed(1, timeout_s=30)
+    assert overlaps == []

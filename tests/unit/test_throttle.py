@@ -73,3 +73,41 @@ def test_adopted_holder_counts_against_the_limit(strategy):
     slots.adopt(req("old", process="A", node="N1"))
     granted = slots.request(req("new", process="B", node="N2"))
     assert granted == (["new"] if strategy is SaveStrategy.UNRESTRICTED else [])
+
+
+def test_a_late_renewal_never_retakes_a_released_slot():
+    import asyncio
+
+    from ckptd.monitor.slots import SlotLeases
+
+    async def scenario() -> tuple[list[str], dict]:
+        leases = SlotLeases(SaveStrategy.SINGLE_THREAD, lease_s=60.0, restarted=False)
+        assert await leases.acquire("1/checkpoint/w/a#1", "n", "p") == {"granted": True}
+        leases.release("1/checkpoint/w/a#1")  # the unit finished
+        leases.renew([("1/checkpoint/w/a#1", "n", "p")])  # a heartbeat sent just before that
+        held_after = leases.holders()
+        second = await asyncio.wait_for(leases.acquire("1/checkpoint/w/b#2", "n", "p"), 1.0)
+        return held_after, second
+
+    held_after, second = asyncio.run(scenario())
+    assert held_after == [] and second == {"granted": True}
+
+
+def test_a_restarted_monitor_grants_nothing_until_holders_could_re_announce():
+    import asyncio
+    import time
+
+    from ckptd.monitor.slots import SlotLeases
+
+    async def scenario() -> float:
+        leases = SlotLeases(SaveStrategy.SINGLE_THREAD, lease_s=0.4, restarted=True)
+        t0 = time.monotonic()
+        waiter = asyncio.ensure_future(leases.acquire("1/checkpoint/w/b#2", "n", "p"))
+        leases.renew([("1/checkpoint/w/a#1", "n", "p")])  # the holder from before the restart
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        leases.release("1/checkpoint/w/a#1")
+        assert await waiter == {"granted": True}
+        return time.monotonic() - t0
+
+    assert asyncio.run(scenario()) >= 0.2  # held back for half a lease

@@ -211,6 +211,7 @@ class Committer:
             log.warning("publishing %s raised %s: %s, but it is on storage; syncing again", path,
                         type(e).__name__, e)
             try:
+                failpoints.hit("settle_sync")
                 self.storage.make_durable([path])
             except Exception:
                 # Visible but maybe not durable: take it back, so that what readers see now is

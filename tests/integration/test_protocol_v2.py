@@ -383,6 +383,22 @@ def test_an_uncertain_publish_is_settled_by_reading_storage(make_monitor, tmp_pa
     ckptd.verify(root, 1)
 
 
+def test_an_uncertain_publish_that_cannot_be_made_durable_is_taken_back_and_fails(make_monitor, tmp_path):
+    """The manifest is visible but syncing it fails again: it is removed before anyone is told,
+    and the step fails; readers never saw a step reported failed as committed."""
+    from .helpers import failpoint_env
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0, runtime_env=failpoint_env("after_publish=raise,settle_sync=raise"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
+    coord.register(1, checkpoint_thread_count=1)
+    with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
+        coord.wait_committed(1, timeout_s=30)
+    assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
+    assert tracker(root) is None and ckptd.latest_step(root) is None
+
+
 # -- early signals -------------------------------------------------------------------------------
 
 

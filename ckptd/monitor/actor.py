@@ -229,6 +229,9 @@ class CheckpointMonitor(CommitFlow):
         rec = self._ledger.get(uid.step)
         why = None if rec is None else self._changed_committed_file(rec, uid, files)
         if why is not None:
+            # The bytes the state dict's manifest lists are gone: take that commit back, so that no
+            # manifest (and no tracker) claims what is not on storage, then fail the unit.
+            await self._revoke_state_dict(rec, why)
             await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
             return {"refused": why}
         rec, why = self._ledger.finish(uid, files, time.time())
@@ -243,8 +246,9 @@ class CheckpointMonitor(CommitFlow):
             old = committed.get(f.path)
             if old is not None and (old.size, old.crc32) != (f.size, f.crc32):
                 return (f"unit {uid.label} rewrote {f.path} of step {uid.step} with other content, but the "
-                        "step's committed state dict lists that file: committed files must not change. "
-                        "Write the full checkpoint's files under other names, or save into a new step")
+                        "step's committed state dict lists that file: committed files must not change, so "
+                        "that state dict is withdrawn. Write the full checkpoint's files under other names, "
+                        "or save into a new step")
         return None
 
     async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:

@@ -26,7 +26,7 @@ from functools import partial
 from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
-from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, read_tracker
+from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
 from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
 from ckptd.monitor.attempts import check_fence
 from ckptd.storage import FileStat, Storage
@@ -191,6 +191,21 @@ class Committer:
     def write_tracker(self, kind: Kind, step: int) -> None:
         """Point the tracker at ``step`` whatever it holds (start-up repair, retirement)."""
         self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(), None)
+
+    def revoke(self, step: int, kind: Kind) -> int | None:
+        """Take back a commit whose files changed: remove the manifest, then point the tracker
+        of ``kind`` at the newest step still committed (or remove it). Returns that step."""
+        check_fence(self.storage, self.attempt)
+        name = find_step_dir(self.storage, step, self.template)
+        if name is not None:
+            self.storage.rm(self.storage.join(name, MANIFESTS[kind]))
+        newest = newest_committed(self.storage, kind)
+        if read_tracker(self.storage, kind) != newest:
+            if newest is None:
+                self.storage.rm(self.storage.join(TRACKERS[kind]))
+            else:
+                self.write_tracker(kind, newest)
+        return newest
 
     # -- publishing ----------------------------------------------------------------------------
 

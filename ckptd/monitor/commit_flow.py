@@ -152,3 +152,15 @@ class CommitFlow:
         except Exception as e:
             log.warning("could not remove ledger records of step %d: %s", step, e)
 
+    async def _revoke_state_dict(self, rec: StepRecord, reason: str) -> None:
+        """Withdraw the committed state dict of ``rec``: its manifest goes, the state-dict tracker
+        is pointed back at the newest step still committed, and the kind is failed with ``reason``."""
+        try:
+            newest = await self._in_thread(self._committer.revoke, rec.step, SD)
+            self._trackers[SD] = newest
+        except Exception as e:
+            log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
+        rec[SD].state = StepState.PENDING  # so that fail_kind applies
+        self._ledger.fail_kind(rec, SD, reason)
+        await self._after_change(rec)
+

@@ -227,7 +227,11 @@ def test_a_unit_that_rewrites_a_committed_state_dict_file_fails(make_monitor, tm
         coord.save_sync(lambda: [write(f"{out}/model.pt", b"CHANGED")], 1, is_state_dict=True)
     with pytest.raises(ckptd.CheckpointSaveError, match="committed files must not change"):
         coord.register(1, state_dict_thread_count=1)
-    assert tracker(root) is None
+    # No manifest claims the bytes that are gone: the state dict of step 1 is withdrawn.
+    assert tracker(root) is None and tracker(root, Kind.STATE_DICT) is None
+    assert not os.path.exists(f"{out}/{MANIFESTS[Kind.STATE_DICT]}")
+    assert ckptd.latest_step(root, "state_dict") is None
+    assert status(monitor).step(1, "state_dict").state.value == "failed"
 
 
 def test_retire_lets_a_job_resumed_from_an_older_step_save_the_newer_steps_again(ray_local, tmp_path, run_name):

@@ -151,9 +151,10 @@ def _receipt_path(storage: Storage, attempt: int, unit: UnitId) -> str:
     return f"{step_pending_dir(storage, attempt, unit.step)}/unit-{unit.call}.json"
 
 
-def write_finished(storage: Storage, attempt: int, unit: UnitId, files: list[FileEntry]) -> None:
+def write_finished(storage: Storage, attempt: int, unit: UnitId, files: list[FileEntry], found: bool = False) -> None:
+    """A unit's receipt: its files, and whether they were found by time (save_fn returned None)."""
     body = {"unit": unit.to_dict(), "status": "finished", "at": time.time(),
-            "files": [f.model_dump() for f in files]}
+            "files": [f.model_dump() for f in files], "found": found}
     # Not fsynced: a receipt lost to a power cut only means its step does not commit (it times
     # out, the safe direction); the commit itself is the monitor's fsynced manifest.
     storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body), durable=False)
@@ -180,12 +181,12 @@ class PendingStep:
 
     step: int
     registrations: list[Registration] = field(default_factory=list)
-    finished: dict[UnitId, tuple[float, list[FileEntry]]] = field(default_factory=dict)
+    finished: dict[UnitId, tuple[float, list[FileEntry], bool]] = field(default_factory=dict)
     failed: dict[UnitId, tuple[float, UnitFailure]] = field(default_factory=dict)
     failure_reasons: dict[Kind, str] = field(default_factory=dict)
 
     def first_seen(self) -> float | None:
-        times = [t for t, _ in self.finished.values()] + [t for t, _ in self.failed.values()]
+        times = [f[0] for f in self.finished.values()] + [t for t, _ in self.failed.values()]
         times += [r.at for r in self.registrations]
         return min(times) if times else None
 
@@ -242,7 +243,8 @@ def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
         elif name.startswith("unit-"):
             unit = UnitId.from_dict(body["unit"])
             if body["status"] == "finished":
-                rec.finished[unit] = (float(body["at"]), [FileEntry(**f) for f in body["files"]])
+                rec.finished[unit] = (float(body["at"]), [FileEntry(**f) for f in body["files"]],
+                                      bool(body.get("found", False)))
             else:
                 rec.failed[unit] = (float(body["at"]), UnitFailure(**body["failure"]))
     rec.registrations.sort(key=lambda r: r.at)

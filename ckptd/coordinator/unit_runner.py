@@ -63,10 +63,11 @@ class UnitRunner:
         except Exception as e:
             return self._report_failure(unit, e)
         try:
-            files = self._execute(unit, job.save_fn)
+            files, found = self._execute(unit, job.save_fn)
             failpoints.hit("after_unit_write")
-            protocol.write_finished(self._storage, self._attempt, unit, files)
-            answer = self._client.notify(("finished", unit.to_dict(), [f.model_dump() for f in files]))
+            protocol.write_finished(self._storage, self._attempt, unit, files, found)
+            answer = self._client.notify(("finished", unit.to_dict(),
+                                          {"files": [f.model_dump() for f in files], "found": found}))
         except Exception as e:
             return self._report_failure(unit, e)
         finally:
@@ -100,7 +101,8 @@ class UnitRunner:
                 self._heartbeat = threading.Thread(target=self._renew_loop, name="ckptd-slot-heartbeat", daemon=True)
                 self._heartbeat.start()
 
-    def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> list[FileEntry]:
+    def _execute(self, unit: UnitId, save_fn: Callable[[], Any]) -> tuple[list[FileEntry], bool]:
+        """Run save_fn; its files, and whether they were found by time (it returned None)."""
         started_ns = time.time_ns()
         listed_before = None
         if not self._storage.is_posix:
@@ -117,10 +119,10 @@ class UnitRunner:
         # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
         step_path = self._step_path(unit.step, returned)
         if step_path is None:
-            return []
+            return [], returned is None
         if returned is not None:
-            return describe_returned_files(self._storage, step_path, returned)
-        return discover_files(self._storage, step_path, started_ns, listed_before)
+            return describe_returned_files(self._storage, step_path, returned), False
+        return discover_files(self._storage, step_path, started_ns, listed_before), True
 
     def _step_path(self, step: int, returned: list | None) -> str | None:
         if returned and self._template.needs_epoch:

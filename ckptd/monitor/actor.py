@@ -198,9 +198,10 @@ class CheckpointMonitor(CommitFlow):
         """Several notifications in one call, applied in order; one result each.
 
         ``("started", unit, None)`` asks whether the unit may write: ``{"refused": why}`` if its
-        step is committed or failed, else ``{"admitted": True}``. ``("finished", unit, files)``
-        answers ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile,
-        or it changed a committed file), else None. ``("failed", unit, failure)`` answers None.
+        step is committed or failed, else ``{"admitted": True}``. ``("finished", unit,
+        {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
+        ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
+        changed a committed file), else None. ``("failed", unit, failure)`` answers None.
         """
         results = []
         for event, unit, payload in events:
@@ -210,7 +211,9 @@ class CheckpointMonitor(CommitFlow):
                 why = self._admit(uid)
                 results.append({"refused": why} if why else {"admitted": True})
             elif event == "finished":
-                results.append(await self._finished(uid, [FileEntry(**f) for f in payload]))
+                body = payload if isinstance(payload, dict) else {"files": payload}
+                results.append(await self._finished(uid, [FileEntry(**f) for f in body["files"]],
+                                                    bool(body.get("found", False))))
             elif event == "failed":
                 await self._failed(uid, UnitFailure(**payload))
                 results.append(None)
@@ -224,7 +227,7 @@ class CheckpointMonitor(CommitFlow):
             return self._fenced
         return self._ledger.admit(uid, time.time())
 
-    async def _finished(self, uid: UnitId, files: list[FileEntry]) -> dict | None:
+    async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
         self._slots.release(_slot_key(uid))
         rec = self._ledger.get(uid.step)
         why = None if rec is None else self._changed_committed_file(rec, uid, files)
@@ -234,7 +237,7 @@ class CheckpointMonitor(CommitFlow):
             await self._revoke_state_dict(rec, why)
             await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
             return {"refused": why}
-        rec, why = self._ledger.finish(uid, files, time.time())
+        rec, why = self._ledger.finish(uid, files, time.time(), found=found)
         if rec is not None:
             await self._after_change(rec)
         return None if why is None else {"refused": why}

@@ -55,8 +55,9 @@ class CommitPlan:
         units: Kind -> the unit keys its manifest counts.
         sd_units: Keys of the units whose files go into a state-dict manifest.
         committed: Files an earlier manifest of the step lists (they must be unchanged).
-        take_unclaimed: Whether files no unit reported may be attributed now (no unit of the
-            step that could be writing them is running).
+        take_unclaimed: Whether files no unit reported, or that a unit only found by time, may
+            be attributed now (no unit of the step that could be writing them is running).
+        found: Keys of the units whose files were found by time (their save_fn returned None).
         registered: Kind -> the registered unit count, recorded in the manifest.
     """
 
@@ -67,6 +68,7 @@ class CommitPlan:
     sd_units: set[str]
     committed: dict[str, FileEntry] = field(default_factory=dict)
     take_unclaimed: bool = True
+    found: set[str] = field(default_factory=set)
     registered: dict[Kind, int] = field(default_factory=dict)
 
 
@@ -100,19 +102,27 @@ class Committer:
                 "wrote no files, and the directory name needs the epoch"
             )
         step_path = self.storage.join(name)
+        committed = dict(plan.committed)
+        for kind in Kind:
+            text = None if kind in plan.kinds else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
+            if text is not None:
+                committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
+        plan.committed = committed
         on_storage = {rel: st for rel, st in self.storage.walk_files(step_path).items() if not is_internal(rel)}
         claimed = self._check_reports(plan, step_path, on_storage)
         for rel, entry in plan.committed.items():
             st = on_storage.get(rel)
-            if st is None or not _same(entry, st):
+            if st is None or not self._unchanged(f"{step_path}/{rel}", entry, st):
                 raise CommitCheckError(
                     f"{step_path}/{rel} is listed by a committed manifest of step {plan.step} but is "
                     f"{'gone' if st is None else f'now {st.size} bytes'}; a later save rewrote it. "
                     "Committed files must not change: save into a new step"
                 )
         unclaimed = sorted(set(on_storage) - set(claimed) - set(plan.committed))
-        if unclaimed and not plan.take_unclaimed:
-            raise Deferred(unclaimed)
+        uncertain = unclaimed + sorted(rel for rel, (_e, unit) in claimed.items() if unit in plan.found)
+        if uncertain and not plan.take_unclaimed:
+            # A unit still running beside this commit may be writing these: wait for it.
+            raise Deferred(uncertain)
         outside = self._checksum_unclaimed(step_path, unclaimed, on_storage)
         manifests = {}
         for kind in plan.kinds:
@@ -120,8 +130,8 @@ class Committer:
                 files = {rel: e for rel, (e, unit) in claimed.items() if unit in plan.sd_units}
                 files.update(outside)
             else:
-                files = {rel: e for rel, (e, _unit) in claimed.items()}
-                files.update(plan.committed)
+                files = dict(plan.committed)
+                files.update({rel: e for rel, (e, _unit) in claimed.items()})
                 files.update(outside)
             units = plan.units[kind] + ([OUTSIDE_UNITS] if outside else [])
             manifest = build_manifest(plan.step, kind, units, list(files.values()), attempt=self.attempt,
@@ -147,7 +157,7 @@ class Committer:
             if st is None:
                 units = ", ".join(sorted({u for _, u in candidates}))
                 raise CommitCheckError(f"{step_path}/{rel}, reported by {units}, is missing from storage")
-            match = [c for c in candidates if _same(c[0], st)]
+            match = [c for c in candidates if self._unchanged(f"{step_path}/{rel}", c[0], st)]
             if not match:
                 e, unit = candidates[-1]
                 raise CommitCheckError(
@@ -158,6 +168,15 @@ class Committer:
                 )
             out[rel] = match[-1]
         return out
+
+    def _unchanged(self, path: str, entry: FileEntry, st: FileStat) -> bool:
+        """Whether the file at ``path`` (as ``st``) still holds what ``entry`` describes: same size
+        and modification time, or, if it was rewritten since, the same bytes (CRC-32)."""
+        if entry.size != st.size:
+            return False
+        if _same(entry, st):
+            return True
+        return crc32_file(self.storage, path)[1] == entry.crc32
 
     def _checksum_unclaimed(self, step_path: str, unclaimed: list[str],
                             on_storage: dict[str, FileStat]) -> dict[str, FileEntry]:

@@ -76,6 +76,7 @@ class CommitFlow:
             step=rec.step, kinds=kinds, reports=reports, sd_units=set(sd_units),
             units={SD: sd_units, Kind.CHECKPOINT: sorted(reports)},
             take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
+            found={key for key, u in rec.units.items() if u.found},
             registered={k: rec[k].expected for k in Kind},
         )
 

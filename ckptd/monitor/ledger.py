@@ -46,6 +46,7 @@ class UnitRecord:
     files: list[FileEntry] | None = None  # set once finished
     failure: UnitFailure | None = None
     after_sd_commit: bool = False  # a state-dict unit that counts toward the full checkpoint only
+    found: bool = False  # its files were found by time (save_fn returned None): they may be another unit's
 
     @property
     def running(self) -> bool:
@@ -240,7 +241,8 @@ class StepLedger:
         rec.last_unit_at = now
         return rec, u
 
-    def finish(self, unit: UnitId, files: list[FileEntry], now: float) -> tuple[StepRecord | None, str | None]:
+    def finish(self, unit: UnitId, files: list[FileEntry], now: float,
+               found: bool = False) -> tuple[StepRecord | None, str | None]:
         """Record a finished unit. Returns (its step, None), or (None, why it cannot count) for a
         unit that arrived after its step was committed as a checkpoint."""
         rec = self._records.get(unit.step)
@@ -251,7 +253,7 @@ class StepLedger:
                           "as a checkpoint, so its files are in no manifest; register every unit of a "
                           "step before it commits, or save into a new step")
         rec, u = self._unit(unit, now)
-        u.files = list(files)
+        u.files, u.found = list(files), found
         return rec, None
 
     def fail(self, unit: UnitId, failure: UnitFailure, now: float) -> StepRecord:

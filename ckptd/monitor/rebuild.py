@@ -54,8 +54,8 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
             continue
         for reg in pending.registrations:
             ledger.register(reg, replay=True)
-        for unit, (t, files) in pending.finished.items():
-            ledger.finish(unit, files, t)
+        for unit, (t, files, found) in pending.finished.items():
+            ledger.finish(unit, files, t, found=found)
         for unit, (t, failure) in pending.failed.items():
             ledger.fail(unit, failure, t)
         rec = ledger.get(pending.step)

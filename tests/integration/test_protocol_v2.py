@@ -192,6 +192,43 @@ def test_attribution_with_old_mtimes_and_the_other_kind_writing_beside(make_moni
     ckptd.verify(root, 1)
 
 
+def test_a_save_fn_returning_none_does_not_take_the_other_kinds_half_written_file(make_monitor, tmp_path):
+    """The state-dict unit returns None and so finds files by time; a checkpoint unit of the same
+    step writes half of its file after that unit started. The half file must not enter the state
+    dict's manifest: the state dict waits until the checkpoint unit has reported it."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    out = coord.step_dir(1)
+    gate, half_written = Signal.remote(), threading.Event()
+
+    def weights():  # returns None
+        assert half_written.wait(30)
+        write(f"{out}/model.pt", b"weights")
+
+    def optimizer():
+        f = open(write(f"{out}/optim.pt", b"half"), "ab")
+        half_written.set()
+        ray.get(gate.wait.remote())
+        f.write(b"-and-the-rest")
+        f.close()
+        return [f"{out}/optim.pt"]
+
+    coord.save_async("weights", weights, 1, is_state_dict=True)
+    coord.save_async("optim", optimizer, 1)
+    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(1, checkpoint_thread_count=1)
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=1.0)
+    ray.get(gate.send.remote())
+    coord.wait_committed(1, timeout_s=30)
+    assert wait_all(coord) is None
+    assert {f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]} == {"model.pt"}
+    full = {f["path"]: f["size"] for f in manifest(root, 1)["files"]}
+    assert full == {"model.pt": 7, "optim.pt": len(b"half-and-the-rest")}
+    ckptd.verify(root, 1)
+
+
 # -- committed steps are immutable ---------------------------------------------------------------
 
 

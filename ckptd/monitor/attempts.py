@@ -136,18 +136,23 @@ def mark_started(storage: Storage, attempt: int) -> None:
 
 def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTemplate) -> list[str]:
     """Discard the ledger records of older attempts, and remove the files they left in steps they
-    did not commit as checkpoints (files no manifest of the step lists). Returns what was removed.
+    did not commit as checkpoints. Returns what was removed.
 
-    Committed files are never touched: a step with a checkpoint manifest is left as it is, and in
-    a step whose state dict is committed, only files outside that manifest are removed.
+    Only steps an older attempt of ckptd touched are cleaned: steps with its ledger records, and
+    steps with a committed state dict (whose files outside that manifest go). Committed files are
+    never touched, and neither are step directories ckptd has no trace of (a root that already
+    held another tool's checkpoints keeps them).
     """
     removed = []
+    touched: set[int] = set()
     for other in pending_attempts(storage):
         if other < attempt:
-            storage.rm(attempt_pending_dir(storage, other))
+            d = attempt_pending_dir(storage, other)
+            touched |= {int(n) for n in storage.listdir(d) if n.isdigit()}
+            storage.rm(d)
             removed.append(f"ledger records of attempt {other}")
-    for _step, entry in sorted(scan_steps(storage, template).items()):
-        if Kind.CHECKPOINT in entry.kinds:
+    for step, entry in sorted(scan_steps(storage, template).items()):
+        if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched):
             continue
         path = storage.join(entry.name)
         if not entry.kinds:

@@ -314,6 +314,8 @@ def test_a_new_job_never_counts_a_dead_jobs_records(ray_local, tmp_path, run_nam
     coord.register(2, checkpoint_thread_count=3)
     coord.wait_all()
     ray.kill(monitor, no_restart=True)  # the job dies
+    # Another tool's checkpoint that ckptd has no trace of: never touched.
+    foreign = write(f"{root}/global_step_7/trinity_model.pt", b"foreign")
 
     monitor = ckptd.start_monitor(root, run=run_name)
     try:
@@ -326,6 +328,7 @@ def test_a_new_job_never_counts_a_dead_jobs_records(ray_local, tmp_path, run_nam
         coord.wait_committed(2, timeout_s=30)
         assert set(ckptd.verify(root, 2).files) == {"a.bin", "b.bin"}
         assert manifest(root, 2)["attempt"] == 2
+        assert open(foreign, "rb").read() == b"foreign"
         ckptd.verify(root, 1)
     finally:
         ray.kill(monitor, no_restart=True)

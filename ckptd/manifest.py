@@ -60,6 +60,7 @@ class Manifest(BaseModel):
     committed_at: float
     attempt: int | None = None  # the attempt (job) that committed it
     registered: int | None = None  # the units registered for this kind when it committed
+    registrations: list[str] | None = None  # ids of the register calls it counted
 
     def to_bytes(self) -> bytes:
         """What is written to storage (the root's manifest, and the mirror's copy of it)."""
@@ -84,6 +85,8 @@ def is_internal(rel_path: str) -> bool:
 
 
 def build_manifest(step: int, kind: Kind, units: list[str], files: list[FileEntry], *,
-                   attempt: int | None = None, registered: int | None = None) -> Manifest:
+                   attempt: int | None = None, registered: int | None = None,
+                   registrations: list[str] | None = None) -> Manifest:
     return Manifest(step=step, kind=kind, units=sorted(units), files=sorted(files, key=lambda f: f.path),
-                    committed_at=time.time(), attempt=attempt, registered=registered)
+                    committed_at=time.time(), attempt=attempt, registered=registered,
+                    registrations=registrations)

@@ -151,6 +151,17 @@ def _receipt_path(storage: Storage, attempt: int, unit: UnitId) -> str:
     return f"{step_pending_dir(storage, attempt, unit.step)}/unit-{unit.call}.json"
 
 
+def write_started(storage: Storage, attempt: int, unit: UnitId) -> None:
+    """Written before a unit asks to be admitted: a restarted monitor must know the units that are
+    still writing (they hold their step's commit). Replaced by the unit's outcome."""
+    body = {"unit": unit.to_dict(), "status": "started", "at": time.time()}
+    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body), durable=False)
+
+
+def remove_receipt(storage: Storage, attempt: int, unit: UnitId) -> None:
+    storage.rm(_receipt_path(storage, attempt, unit))
+
+
 def write_finished(storage: Storage, attempt: int, unit: UnitId, files: list[FileEntry], found: bool = False) -> None:
     """A unit's receipt: its files, and whether they were found by time (save_fn returned None)."""
     body = {"unit": unit.to_dict(), "status": "finished", "at": time.time(),
@@ -181,6 +192,7 @@ class PendingStep:
 
     step: int
     registrations: list[Registration] = field(default_factory=list)
+    started: dict[UnitId, float] = field(default_factory=dict)  # admitted, no outcome yet
     finished: dict[UnitId, tuple[float, list[FileEntry], bool]] = field(default_factory=dict)
     failed: dict[UnitId, tuple[float, UnitFailure]] = field(default_factory=dict)
     failure_reasons: dict[Kind, str] = field(default_factory=dict)
@@ -242,7 +254,9 @@ def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
             rec.failure_reasons[Kind(name[len("failed-"):-len(".json")])] = body["reason"]
         elif name.startswith("unit-"):
             unit = UnitId.from_dict(body["unit"])
-            if body["status"] == "finished":
+            if body["status"] == "started":
+                rec.started[unit] = float(body["at"])
+            elif body["status"] == "finished":
                 rec.finished[unit] = (float(body["at"]), [FileEntry(**f) for f in body["files"]],
                                       bool(body.get("found", False)))
             else:

@@ -87,14 +87,19 @@ class UnitRunner:
         Raises:
             _Refused: the unit must not write.
         """
+        # Before asking: a monitor that restarts after admitting the unit finds it still running.
+        protocol.write_started(self._storage, self._attempt, unit)
         if self._strategy is SaveStrategy.UNRESTRICTED:
             answer = self._client.notify(("started", unit.to_dict(), None))
-            if answer and "refused" in answer:
-                raise _Refused(answer["refused"])
+            refused = answer["refused"] if answer and "refused" in answer else None
+        else:
+            result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
+            refused = result.get("aborted")
+        if refused is not None:
+            protocol.remove_receipt(self._storage, self._attempt, unit)
+            raise _Refused(refused)
+        if self._strategy is SaveStrategy.UNRESTRICTED:
             return
-        result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
-        if "aborted" in result:
-            raise _Refused(result["aborted"])
         with self._lock:
             self._held[slot] = (slot, self._node, self._process)
             if self._heartbeat is None:

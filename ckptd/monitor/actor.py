@@ -22,7 +22,7 @@ import ray
 
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
-from ckptd.errors import CheckpointConfigError
+from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.layout import read_tracker
 from ckptd.manifest import FileEntry
 from ckptd.monitor.attempts import (
@@ -34,7 +34,7 @@ from ckptd.monitor.attempts import (
 )
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
-from ckptd.monitor.ledger import SD, StepLedger, StepRecord
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.rebuild import rebuild
 from ckptd.monitor.retention import RetentionRunner
@@ -76,6 +76,7 @@ class CheckpointMonitor(CommitFlow):
         self._started_at = time.time()
         self._ledger = StepLedger(self._opts.step_timeout_s, self._opts.unregistered_warning_s)
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
+        self._committing: dict[int, asyncio.Event] = {}  # steps with a commit in flight
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()
@@ -177,8 +178,17 @@ class CheckpointMonitor(CommitFlow):
                 reg_id=reg_id, step=check_step(step), monitored=Kind(monitored), at=time.time(),
                 counts={Kind(k): check_count(v, f"{k}_thread_count") for k, v in counts.items()},
             )
-            self._ledger.check_registration(reg)
         except (CheckpointConfigError, ValueError) as e:
+            return {"error": {"type": type(e).__name__, "message": str(e)}}
+        await self.quiesce(reg.step)  # a commit in flight must not be told about new units
+        try:
+            self._ledger.check_registration(reg)
+        except RegistrationConflictError as e:
+            # Committed meanwhile: a call that Ray retried across a restart was counted already.
+            if await self._in_thread(self._committer.registered_before, reg.step, reg.reg_id):
+                return {"error": None}
+            return {"error": {"type": type(e).__name__, "message": str(e)}}
+        except CheckpointConfigError as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
         rec = self._ledger.get(reg.step)
         if rec is None or reg.reg_id not in rec.registrations:
@@ -208,7 +218,7 @@ class CheckpointMonitor(CommitFlow):
             self._notifications += 1
             uid = UnitId.from_dict(unit)
             if event == "started":
-                why = self._admit(uid)
+                why = await self._admit(uid)
                 results.append({"refused": why} if why else {"admitted": True})
             elif event == "finished":
                 body = payload if isinstance(payload, dict) else {"files": payload}
@@ -222,7 +232,8 @@ class CheckpointMonitor(CommitFlow):
                 results.append(None)
         return results
 
-    def _admit(self, uid: UnitId) -> str | None:
+    async def _admit(self, uid: UnitId) -> str | None:
+        await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
         if self._fenced is not None:
             return self._fenced
         return self._ledger.admit(uid, time.time())
@@ -230,11 +241,23 @@ class CheckpointMonitor(CommitFlow):
     async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
         self._slots.release(_slot_key(uid))
         rec = self._ledger.get(uid.step)
-        why = None if rec is None else self._changed_committed_file(rec, uid, files)
-        if why is not None:
-            # The bytes the state dict's manifest lists are gone: take that commit back, so that no
-            # manifest (and no tracker) claims what is not on storage, then fail the unit.
-            await self._revoke_state_dict(rec, why)
+        counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
+        changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
+        if changed:
+            # Storage decides, not the report: are the bytes the state dict's manifest lists gone?
+            listed = [rec[SD].committed_files[p] for p in changed]
+            gone = await self._in_thread(self._committer.differs, uid.step, listed)
+            if gone:
+                why = (f"unit {uid.label} rewrote {gone[0]} of step {uid.step} with other content, but the step's "
+                       "committed state dict lists that file: committed files must not change, so that state "
+                       "dict is withdrawn. Write the full checkpoint's files under other names, or save into a "
+                       "new step")
+                # Take that commit back, so that no manifest (and no tracker) claims what is not on
+                # storage, then fail the unit.
+                await self._revoke_state_dict(rec, why)
+            else:
+                why = (f"unit {uid.label} reported {changed[0]} of step {uid.step} with other content than "
+                       "storage holds (the step's committed state dict); its report is wrong")
             await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
             return {"refused": why}
         rec, why = self._ledger.finish(uid, files, time.time(), found=found)
@@ -242,17 +265,12 @@ class CheckpointMonitor(CommitFlow):
             await self._after_change(rec)
         return None if why is None else {"refused": why}
 
-    def _changed_committed_file(self, rec: StepRecord, uid: UnitId, files: list[FileEntry]) -> str | None:
-        """Why a unit that wrote into a step with a committed state dict broke that commit."""
+    @staticmethod
+    def _changed_committed_files(rec: StepRecord, files: list[FileEntry]) -> list[str]:
+        """Files a unit reported with other content than the step's committed state dict lists."""
         committed = rec[SD].committed_files
-        for f in files:
-            old = committed.get(f.path)
-            if old is not None and (old.size, old.crc32) != (f.size, f.crc32):
-                return (f"unit {uid.label} rewrote {f.path} of step {uid.step} with other content, but the "
-                        "step's committed state dict lists that file: committed files must not change, so "
-                        "that state dict is withdrawn. Write the full checkpoint's files under other names, "
-                        "or save into a new step")
-        return None
+        return [f.path for f in files
+                if f.path in committed and (committed[f.path].size, committed[f.path].crc32) != (f.size, f.crc32)]
 
     async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
         self._slots.release(_slot_key(uid))
@@ -264,7 +282,7 @@ class CheckpointMonitor(CommitFlow):
         ``{"aborted": cause}`` when the unit may not write (its step is committed or failed)."""
         self._notifications += 1
         uid = UnitId.from_dict(unit)
-        why = self._admit(uid)
+        why = await self._admit(uid)
         if why is not None:
             return {"aborted": why}
         return await self._slots.acquire(_slot_key(uid), node, process)

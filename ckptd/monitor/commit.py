@@ -28,7 +28,7 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
 from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
-from ckptd.monitor.attempts import check_fence
+from ckptd.monitor.attempts import FencedError, check_fence
 from ckptd.storage import FileStat, Storage
 from ckptd.template import StepDirTemplate
 
@@ -38,7 +38,21 @@ OUTSIDE_UNITS = "(written outside save units)"
 
 
 class CommitCheckError(CheckpointError):
-    """The step directory does not match what its units reported; the step must not commit."""
+    """The step directory does not match what its units reported; the step must not commit.
+
+    ``committed_changed``: a file an earlier manifest of the step lists has changed.
+    """
+
+    def __init__(self, message: str, committed_changed: bool = False) -> None:
+        super().__init__(message)
+        self.committed_changed = committed_changed
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.committed_changed))
+
+
+class _NotNeeded(Exception):
+    """A tracker publish found a newer committed step there already."""
 
 
 class Deferred(Exception):
@@ -59,6 +73,8 @@ class CommitPlan:
             be attributed now (no unit of the step that could be writing them is running).
         found: Keys of the units whose files were found by time (their save_fn returned None).
         registered: Kind -> the registered unit count, recorded in the manifest.
+        registrations: The ids of the registrations counted (a retried one is recognised after
+            the commit).
     """
 
     step: int
@@ -70,6 +86,7 @@ class CommitPlan:
     take_unclaimed: bool = True
     found: set[str] = field(default_factory=set)
     registered: dict[Kind, int] = field(default_factory=dict)
+    registrations: list[str] = field(default_factory=list)
 
 
 def _same(entry: FileEntry, st: FileStat) -> bool:
@@ -116,7 +133,7 @@ class Committer:
                 raise CommitCheckError(
                     f"{step_path}/{rel} is listed by a committed manifest of step {plan.step} but is "
                     f"{'gone' if st is None else f'now {st.size} bytes'}; a later save rewrote it. "
-                    "Committed files must not change: save into a new step"
+                    "Committed files must not change: save into a new step", committed_changed=True
                 )
         unclaimed = sorted(set(on_storage) - set(claimed) - set(plan.committed))
         uncertain = unclaimed + sorted(rel for rel, (_e, unit) in claimed.items() if unit in plan.found)
@@ -135,7 +152,7 @@ class Committer:
                 files.update(outside)
             units = plan.units[kind] + ([OUTSIDE_UNITS] if outside else [])
             manifest = build_manifest(plan.step, kind, units, list(files.values()), attempt=self.attempt,
-                                      registered=plan.registered.get(kind))
+                                      registered=plan.registered.get(kind), registrations=plan.registrations)
             self._publish(f"{step_path}/{MANIFESTS[kind]}", manifest.to_bytes(), None)
             manifests[kind] = manifest
         return manifests
@@ -200,16 +217,42 @@ class Committer:
     def advance_tracker(self, kind: Kind, step: int) -> bool:
         """Point the tracker of ``kind`` at ``step`` unless storage already has a newer committed
         step there; True if it was written."""
-        current = read_tracker(self.storage, kind)
-        if current is not None and current >= step and is_committed(self.storage, current, kind):
+
+        def still_forward() -> None:
+            current = read_tracker(self.storage, kind)
+            if current is not None and current >= step and is_committed(self.storage, current, kind):
+                raise _NotNeeded
+
+        try:
+            self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(),
+                          partial(failpoints.hit, "before_tracker_rename"), still_forward)
+        except _NotNeeded:
             return False
-        self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(),
-                      partial(failpoints.hit, "before_tracker_rename"))
         return True
 
     def write_tracker(self, kind: Kind, step: int) -> None:
         """Point the tracker at ``step`` whatever it holds (start-up repair, retirement)."""
         self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(), None)
+
+    def differs(self, step: int, entries: list[FileEntry]) -> list[str]:
+        """The paths (relative to the step) whose bytes on storage are not what ``entries`` say."""
+        name = find_step_dir(self.storage, step, self.template)
+        out = []
+        for e in entries:
+            try:
+                size, crc = crc32_file(self.storage, self.storage.join(name or "", e.path))
+            except FileNotFoundError:
+                size, crc = -1, ""
+            if (size, crc) != (e.size, e.crc32):
+                out.append(e.path)
+        return out
+
+    def registered_before(self, step: int, reg_id: str) -> bool:
+        """Whether the checkpoint manifest of ``step`` counted the registration ``reg_id``."""
+        name = find_step_dir(self.storage, step, self.template)
+        text = None if name is None else self.storage.read_text_or_none(
+            self.storage.join(name, MANIFESTS[Kind.CHECKPOINT]))
+        return text is not None and reg_id in (Manifest.model_validate_json(text).registrations or [])
 
     def revoke(self, step: int, kind: Kind) -> int | None:
         """Take back a commit whose files changed: remove the manifest, then point the tracker
@@ -228,11 +271,30 @@ class Committer:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def _publish(self, path: str, data: bytes, before_publish) -> None:
+    def _publish(self, path: str, data: bytes, before_publish, check=None) -> None:
+        """Publish ``data`` at ``path`` if this attempt is still the newest (and ``check`` passes).
+
+        Both checks run at the last moment, after the content is written and just before the
+        rename (or PUT) makes it visible, so a monitor that stalled in between (a slow disk, a
+        paused process) cannot publish over a newer attempt.
+
+        NOTE: between that check and the rename a window of microseconds remains: fencing on a
+        filesystem without a lock service narrows the race, it cannot close it.
+        """
+
+        def last_moment() -> None:
+            if before_publish is not None:
+                before_publish()
+            check_fence(self.storage, self.attempt)
+            if check is not None:
+                check()
+
         check_fence(self.storage, self.attempt)
         try:
-            self.storage.write_atomic(path, data, before_publish=before_publish)
+            self.storage.write_atomic(path, data, before_publish=last_moment)
             failpoints.hit("after_publish")
+        except (FencedError, _NotNeeded):
+            raise
         except Exception as e:
             # The rename (or PUT) may have happened before the error (a failed directory fsync,
             # a lost response): settle it by reading storage, before anyone is told anything.

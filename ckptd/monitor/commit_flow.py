@@ -49,6 +49,7 @@ class CommitFlow:
         kinds = self._ledger.ready(rec)
         if kinds:
             self._ledger.begin_commit(rec, kinds, time.time())
+            self._committing[rec.step] = asyncio.Event()
             self._spawn(self._commit(rec, kinds))
         for kind in Kind:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
@@ -78,16 +79,31 @@ class CommitFlow:
             take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
             found={key for key, u in rec.units.items() if u.found},
             registered={k: rec[k].expected for k in Kind},
+            registrations=sorted(rec.registrations),
         )
 
+    async def quiesce(self, step: int) -> None:
+        """Wait until no commit of ``step`` is in flight: a unit admitted or a registration
+        accepted meanwhile could not be part of it, yet would be told it was."""
+        while (event := self._committing.get(step)) is not None:
+            await event.wait()
+
     async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
+        try:
+            await self._commit_once(rec, kinds)
+        finally:
+            event = self._committing.pop(rec.step, None)
+            if event is not None:
+                event.set()
+        await self._after_change(rec)  # deferred, failed, or a checkpoint that waited for this
+
+    async def _commit_once(self, rec: StepRecord, kinds: list[Kind]) -> None:
         plan = self._plan(rec, kinds)
         try:
             manifests = await self._retrying(self._committer.commit, plan)
         except Deferred:
             log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
             self._ledger.defer(rec, SD)
-            await self._after_change(rec)  # the units it waits for may have finished meanwhile
             return
         except Exception as e:
             if isinstance(e, FencedError):
@@ -95,8 +111,9 @@ class CommitFlow:
             tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
             reason = f"commit failed{tries}: {type(e).__name__}: {e}"
             for kind in kinds:
-                self._ledger.fail_kind(rec, kind, reason)
-            await self._after_change(rec)
+                self._ledger.fail_kind(rec, kind, reason, force=True)
+            if isinstance(e, CommitCheckError) and e.committed_changed and self._ledger.is_committed(rec.step, SD):
+                await self._revoke_state_dict(rec, reason)
             return
         # The manifest makes the step committed for readers; the trackers only point at it. A
         # tracker that cannot be advanced does not uncommit the step (the next commit, or the
@@ -105,6 +122,8 @@ class CommitFlow:
         try:
             await self._advance_trackers(rec.step, Kind.CHECKPOINT if Kind.CHECKPOINT in kinds else SD)
         except Exception as e:
+            if isinstance(e, FencedError):
+                self._fenced = str(e)
             for kind in kinds:
                 rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
             log.error("step %d: %s", rec.step, rec[kinds[0]].reason)
@@ -122,7 +141,6 @@ class CommitFlow:
             self._io.submit(self._cleanup, rec.step)
         self._ledger.prune(self._opts.status_history)
         self._retention.schedule()
-        await self._after_change(rec)  # the checkpoint may have waited for this state dict
 
     async def _retrying(self, fn, *args) -> Any:
         for attempt in range(self._opts.commit_retries + 1):
@@ -156,12 +174,12 @@ class CommitFlow:
     async def _revoke_state_dict(self, rec: StepRecord, reason: str) -> None:
         """Withdraw the committed state dict of ``rec``: its manifest goes, the state-dict tracker
         is pointed back at the newest step still committed, and the kind is failed with ``reason``."""
-        try:
-            newest = await self._in_thread(self._committer.revoke, rec.step, SD)
-            self._trackers[SD] = newest
-        except Exception as e:
-            log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
-        rec[SD].state = StepState.PENDING  # so that fail_kind applies
-        self._ledger.fail_kind(rec, SD, reason)
+        async with self._tracker_lock:
+            try:
+                newest = await self._in_thread(self._committer.revoke, rec.step, SD)
+                self._trackers[SD] = newest
+            except Exception as e:
+                log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
+        self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)
 

@@ -217,6 +217,11 @@ class StepLedger:
 
     # -- units ---------------------------------------------------------------------------------
 
+    def started(self, unit: UnitId, now: float) -> None:
+        """Replay a unit known to have been admitted and not yet finished (a started receipt)."""
+        if self.state_of(unit.step, CKPT) not in (StepState.COMMITTED, StepState.COMMITTING):
+            self._unit(unit, now)
+
     def admit(self, unit: UnitId, now: float) -> str | None:
         """A unit is about to write: None if it may, else why not (nothing is recorded then)."""
         if self.state_of(unit.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING):
@@ -267,10 +272,15 @@ class StepLedger:
         self.fail_kind(rec, CKPT, cause, unit.label)  # a full checkpoint needs every unit of its step
         return rec
 
-    def fail_kind(self, rec: StepRecord, kind: Kind, reason: str, unit: str | None = None) -> bool:
-        """Fail one kind of a step unless it is settled; True if it changed."""
+    def fail_kind(self, rec: StepRecord, kind: Kind, reason: str, unit: str | None = None, *,
+                  force: bool = False) -> bool:
+        """Fail one kind of a step unless it is settled or being committed; True if it changed.
+
+        ``force`` is for the commit path only: a commit that failed, or a committed state dict
+        withdrawn because its files changed.
+        """
         k = rec[kind]
-        if k.settled:
+        if k.state is StepState.FAILED or (not force and k.state in (StepState.COMMITTED, StepState.COMMITTING)):
             return False
         k.state, k.reason, k.failed_unit, k.deferred = StepState.FAILED, reason, unit, False
         if kind is SD:

@@ -54,6 +54,8 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
             continue
         for reg in pending.registrations:
             ledger.register(reg, replay=True)
+        for unit, t in pending.started.items():
+            ledger.started(unit, t)
         for unit, (t, files, found) in pending.finished.items():
             ledger.finish(unit, files, t, found=found)
         for unit, (t, failure) in pending.failed.items():

@@ -67,6 +67,9 @@ def start_monitor(
     """
     check_name(run, "run")
     opts = MonitorOptions.parse(options)
+    # The namespace the actor really lives in (None means the caller's): recorded in the attempt, so
+    # that a job in another namespace finds this monitor when it checks whether the root is in use.
+    namespace = namespace if namespace is not None else ray.get_runtime_context().namespace
     storage = Storage(root, storage_options)
     root_url = root if "://" in root else storage.root
     template = StepDirTemplate(opts.step_dir_template)

@@ -1,0 +1,206 @@
+"""Regression tests for the violations an adversarial review of the commit path found: each one
+failed on the code before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.config import Kind
+from ckptd.layout import MANIFESTS
+
+from .helpers import Signal, failpoint_env, restart_monitor, status, wait_all, wait_for
+from .test_protocol_v2 import manifest, tracker, write
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _committing(monitor, step: int, kind: str = "checkpoint") -> bool:
+    s = status(monitor).step(step, kind)
+    return s is not None and s.state.value == "committing"
+
+
+def test_a_monitor_of_another_driver_finds_the_live_one(ray_local, tmp_path, run_name):
+    """Two drivers on one cluster, both with the default namespace (each its own anonymous one):
+    the second start_monitor on the root must find the first monitor and refuse."""
+    root = str(tmp_path / "ckpt")
+    first = ckptd.start_monitor(root, run=run_name)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        code = (f"import ray, ckptd; ray.init(address={address!r}, log_to_driver=False)\n"
+                f"try:\n    ckptd.start_monitor({root!r}, run='other-{run_name}')\n    print('STARTED')\n"
+                "except ckptd.CheckpointConfigError as e:\n    print('REFUSED', e)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ}).stdout
+        assert "REFUSED" in out and f"live monitor of run '{run_name}'" in out, out[-2000:]
+    finally:
+        ray.kill(first, no_restart=True)
+
+
+def test_a_monitor_stalled_before_its_tracker_rename_is_fenced_at_the_last_moment(ray_local, tmp_path, run_name):
+    from ckptd.monitor.attempts import open_attempt
+    from ckptd.storage import Storage
+
+    root = str(tmp_path / "ckpt")
+    monitor = ckptd.start_monitor(root, run=run_name, runtime_env=failpoint_env("before_tracker_rename=delay:3"))
+    try:
+        coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+        coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
+        coord.register(1, checkpoint_thread_count=1)
+        wait_for(lambda: os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}"),
+                 what="the manifest (the tracker rename is stalled now)")
+        open_attempt(Storage(root), "newer-job", None)  # a newer job takes the root meanwhile
+        assert ray.get(monitor.wait_committed.remote(1, "checkpoint", 30))["committed"]
+        assert tracker(root) is None and "superseded" in status(monitor).fenced
+    finally:
+        ray.kill(monitor, no_restart=True)
+
+
+def test_a_checkpoint_unit_cannot_start_while_the_state_dict_of_its_step_commits(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, runtime_env=failpoint_env("before_manifest=delay:2"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    out = coord.step_dir(1)
+    coord.save_async("w", lambda: [write(f"{out}/model.bin", b"weights")], 1, is_state_dict=True)
+    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
+    wait_for(lambda: _committing(monitor, 1, "state_dict"), what="the state dict to be committing")
+    gate, half = Signal.remote(), threading.Event()
+
+    def optimizer():
+        f = open(write(f"{out}/optim.bin", b"half"), "ab")
+        half.set()
+        ray.get(gate.wait.remote())
+        f.write(b"-and-the-rest")
+        f.close()
+        return [f"{out}/optim.bin"]
+
+    coord.save_async("o", optimizer, 1)
+    coord.wait_committed(1, is_state_dict=True, timeout_s=30)
+    assert {f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]} == {"model.bin"}
+    assert half.wait(30)
+    ray.get(gate.send.remote())
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=30)
+    assert wait_all(coord) is None
+    ckptd.verify(root, 1)
+
+
+def test_a_restarted_monitor_still_knows_the_units_that_are_writing(make_monitor, tmp_path):
+    """One unit registered, two saved (the step is held); one of them is still writing when the
+    monitor restarts. The restarted monitor must not commit the step with its half file."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    out = coord.step_dir(1)
+    gate, half = Signal.remote(), threading.Event()
+
+    def slow():
+        f = open(write(f"{out}/optim.bin", b"half"), "ab")
+        half.set()
+        ray.get(gate.wait.remote())
+        f.write(b"-and-the-rest")
+        f.close()
+        return [f"{out}/optim.bin"]
+
+    coord.save_async("slow", slow, 1)
+    assert half.wait(30)
+    coord.save_sync(lambda: [write(f"{out}/model.bin", b"m")], 1)
+    coord.register(1, checkpoint_thread_count=1)
+    restart_monitor(monitor)
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(1, timeout_s=2)
+    assert tracker(root) is None
+    ray.get(gate.send.remote())
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=30)
+    assert wait_all(coord) is None
+    assert {f["path"]: f["size"] for f in manifest(root, 1)["files"]} == {"model.bin": 1, "optim.bin": 17}
+
+
+def test_a_failure_of_a_new_unit_during_a_commit_does_not_fail_the_step(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, runtime_env=failpoint_env("before_manifest=delay:2"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(3)}/m.bin", b"m")], 3)
+    coord.register(3, checkpoint_thread_count=1)
+    wait_for(lambda: _committing(monitor, 3), what="the commit")
+    unit = {"worker": "late", "name": "x", "step": 3, "kind": "checkpoint", "call": "late-1"}
+    failure = {"unit": "late/x", "error_type": "OSError", "message": "boom", "traceback": ""}
+    ray.get(monitor.notify_batch.remote([("failed", unit, failure)]))
+    coord.wait_committed(3, timeout_s=30)  # it is committed, and says so
+    assert tracker(root) == 3 and status(monitor).step(3).state.value == "committed"
+
+
+def test_a_late_report_never_withdraws_a_committed_checkpoints_state_dict(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(2)}/model.bin", b"m")], 2, is_state_dict=True)
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=30)
+    coord.save_sync(lambda: [write(f"{coord.step_dir(2)}/optim.bin", b"o")], 2, is_state_dict=True)
+    coord.register(2, state_dict_thread_count=1)
+    coord.wait_committed(2, timeout_s=30)
+    unit = {"worker": "ghost", "name": "x", "step": 2, "kind": "state_dict", "call": "ghost-1"}
+    files = {"files": [{"path": "model.bin", "size": 5, "crc32": "deadbeef", "mtime_ns": None}], "found": False}
+    (answer,) = ray.get(monitor.notify_batch.remote([("finished", unit, files)]))
+    assert "after the step was committed" in answer["refused"]
+    assert manifest(root, 2, Kind.STATE_DICT) is not None and tracker(root, Kind.STATE_DICT) == 2
+    coord.wait_committed(2, is_state_dict=True, timeout_s=5)
+    ckptd.verify(root, 2)
+
+
+def test_a_registration_during_a_commit_is_not_silently_dropped(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, runtime_env=failpoint_env("before_manifest=delay:2"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(4)}/m.bin", b"m")], 4)
+    coord.register(4, checkpoint_thread_count=1)
+    wait_for(lambda: _committing(monitor, 4), what="the commit")
+    with pytest.raises(ckptd.RegistrationConflictError, match="already committed"):
+        coord.register(4, checkpoint_thread_count=1)
+    assert manifest(root, 4)["registered"] == 1
+
+
+def test_a_registration_retried_after_its_step_committed_and_the_monitor_restarted_counts_once(
+        make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(5)}/m.bin", b"m")], 5)
+    call = (5, {"state_dict": 0, "checkpoint": 1}, "checkpoint", "reg-retried-1")
+    assert ray.get(monitor.register.remote(*call)) == {"error": None}
+    coord.wait_committed(5, timeout_s=30)
+    restart_monitor(monitor)
+    assert ray.get(monitor.register.remote(*call)) == {"error": None}  # what Ray's retry would send
+    other = (5, {"state_dict": 0, "checkpoint": 1}, "checkpoint", "reg-new-2")
+    assert ray.get(monitor.register.remote(*other))["error"]["type"] == "RegistrationConflictError"
+
+
+def test_a_changed_file_outside_units_withdraws_the_state_dict_that_listed_it(make_monitor, tmp_path):
+    """Another rank's shard, saved outside any unit, is listed by the committed state dict; it is
+    then rewritten with other bytes. The full checkpoint fails, and the state dict is withdrawn so
+    that no tracker names bytes that are gone."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="rank0")
+    out = coord.step_dir(6)
+    write(f"{out}/shard1.bin", b"rank1-v1")
+    coord.save_async("sd", lambda: [write(f"{out}/shard0.bin", b"rank0")], 6, is_state_dict=True)
+    asyncio.run(coord.register_and_monitor(6, is_state_dict=True, state_dict_thread_count=1))
+    coord.wait_committed(6, is_state_dict=True, timeout_s=30)
+    assert {f["path"] for f in manifest(root, 6, Kind.STATE_DICT)["files"]} == {"shard0.bin", "shard1.bin"}
+    write(f"{out}/shard1.bin", b"rank1-v2")
+    coord.save_sync(lambda: [write(f"{out}/optim.bin", b"o")], 6, is_state_dict=True)
+    with pytest.raises(ckptd.CheckpointSaveError, match="shard1.bin"):
+        coord.register(6, state_dict_thread_count=1)
+        coord.wait_committed(6, timeout_s=30)
+    wait_for(lambda: not os.path.exists(f"{out}/{MANIFESTS[Kind.STATE_DICT]}"), what="the state dict to be withdrawn")
+    assert tracker(root, Kind.STATE_DICT) is None and ckptd.latest_step(root, "state_dict") is None

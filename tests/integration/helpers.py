@@ -163,3 +163,28 @@ class StateSaver:
 def weights(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}
+
+
+class HalfWriter:
+    """A save_fn that writes half of a file, then waits for :meth:`release` before writing the rest:
+    a unit caught mid-write. Returns its path (as ckptd's writers do)."""
+
+    CONTENT = b"half-and-the-rest"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.gate = Signal.remote()
+        self.half_written = threading.Event()
+
+    def __call__(self) -> list[str]:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "wb") as f:
+            f.write(self.CONTENT[:4])
+            f.flush()
+            self.half_written.set()
+            ray.get(self.gate.wait.remote())
+            f.write(self.CONTENT[4:])
+        return [self.path]
+
+    def release(self) -> None:
+        ray.get(self.gate.send.remote())

@@ -7,7 +7,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import ray
@@ -16,7 +15,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import Signal, failpoint_env, restart_monitor, status, wait_all, wait_for
+from .helpers import HalfWriter, failpoint_env, restart_monitor, status, wait_all, wait_for
 from .test_protocol_v2 import manifest, tracker, write
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -71,21 +70,12 @@ def test_a_checkpoint_unit_cannot_start_while_the_state_dict_of_its_step_commits
     coord.save_async("w", lambda: [write(f"{out}/model.bin", b"weights")], 1, is_state_dict=True)
     coord.register(1, is_state_dict=True, state_dict_thread_count=1)
     wait_for(lambda: _committing(monitor, 1, "state_dict"), what="the state dict to be committing")
-    gate, half = Signal.remote(), threading.Event()
-
-    def optimizer():
-        f = open(write(f"{out}/optim.bin", b"half"), "ab")
-        half.set()
-        ray.get(gate.wait.remote())
-        f.write(b"-and-the-rest")
-        f.close()
-        return [f"{out}/optim.bin"]
-
+    optimizer = HalfWriter(f"{out}/optim.bin")
     coord.save_async("o", optimizer, 1)
     coord.wait_committed(1, is_state_dict=True, timeout_s=30)
     assert {f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]} == {"model.bin"}
-    assert half.wait(30)
-    ray.get(gate.send.remote())
+    assert optimizer.half_written.wait(30)
+    optimizer.release()
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=30)
     assert wait_all(coord) is None
@@ -99,25 +89,16 @@ def test_a_restarted_monitor_still_knows_the_units_that_are_writing(make_monitor
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
     out = coord.step_dir(1)
-    gate, half = Signal.remote(), threading.Event()
-
-    def slow():
-        f = open(write(f"{out}/optim.bin", b"half"), "ab")
-        half.set()
-        ray.get(gate.wait.remote())
-        f.write(b"-and-the-rest")
-        f.close()
-        return [f"{out}/optim.bin"]
-
+    slow = HalfWriter(f"{out}/optim.bin")
     coord.save_async("slow", slow, 1)
-    assert half.wait(30)
+    assert slow.half_written.wait(30)
     coord.save_sync(lambda: [write(f"{out}/model.bin", b"m")], 1)
     coord.register(1, checkpoint_thread_count=1)
     restart_monitor(monitor)
     with pytest.raises(TimeoutError):
         coord.wait_committed(1, timeout_s=2)
     assert tracker(root) is None
-    ray.get(gate.send.remote())
+    slow.release()
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=30)
     assert wait_all(coord) is None

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import shutil
-import threading
 
 import pytest
 import ray
@@ -18,7 +17,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import Signal, restart_monitor, status, wait_all, wait_for
+from .helpers import HalfWriter, Signal, restart_monitor, status, wait_all, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -165,25 +164,16 @@ def test_attribution_with_old_mtimes_and_the_other_kind_writing_beside(make_moni
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
     out = coord.step_dir(1)
-    gate, started = Signal.remote(), threading.Event()
-
-    def slow_optimizer():
-        f = open(write(f"{out}/optim.pt", b"half"), "ab")
-        started.set()
-        ray.get(gate.wait.remote())
-        f.write(b"-and-the-rest")
-        f.close()
-        return [f"{out}/optim.pt"]
-
+    slow_optimizer = HalfWriter(f"{out}/optim.pt")
     coord.save_async("optim", slow_optimizer, 1)
-    assert started.wait(30)
+    assert slow_optimizer.half_written.wait(30)
     coord.save_async("tok", lambda: shutil.copytree(src, f"{out}/tokenizer", dirs_exist_ok=True) and None, 1,
                      is_state_dict=True)
     coord.register(1, is_state_dict=True, state_dict_thread_count=1)
     coord.register(1, checkpoint_thread_count=1)
     with pytest.raises(TimeoutError):
         coord.wait_committed(1, is_state_dict=True, timeout_s=1.0)  # waits: optim.pt is unattributed
-    ray.get(gate.send.remote())
+    slow_optimizer.release()
     coord.wait_committed(1, timeout_s=30)
     sd = {f["path"]: f["size"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]}
     assert sd == {"tokenizer/vocab.json": 8}
@@ -200,19 +190,11 @@ def test_a_save_fn_returning_none_does_not_take_the_other_kinds_half_written_fil
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
     out = coord.step_dir(1)
-    gate, half_written = Signal.remote(), threading.Event()
+    optimizer = HalfWriter(f"{out}/optim.pt")
 
     def weights():  # returns None
-        assert half_written.wait(30)
+        assert optimizer.half_written.wait(30)
         write(f"{out}/model.pt", b"weights")
-
-    def optimizer():
-        f = open(write(f"{out}/optim.pt", b"half"), "ab")
-        half_written.set()
-        ray.get(gate.wait.remote())
-        f.write(b"-and-the-rest")
-        f.close()
-        return [f"{out}/optim.pt"]
 
     coord.save_async("weights", weights, 1, is_state_dict=True)
     coord.save_async("optim", optimizer, 1)
@@ -220,7 +202,7 @@ def test_a_save_fn_returning_none_does_not_take_the_other_kinds_half_written_fil
     coord.register(1, checkpoint_thread_count=1)
     with pytest.raises(TimeoutError):
         coord.wait_committed(1, is_state_dict=True, timeout_s=1.0)
-    ray.get(gate.send.remote())
+    optimizer.release()
     coord.wait_committed(1, timeout_s=30)
     assert wait_all(coord) is None
     assert {f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]} == {"model.pt"}

@@ -253,7 +253,8 @@ def test_a_unit_that_rewrites_a_committed_state_dict_file_fails(make_monitor, tm
     assert status(monitor).step(1, "state_dict").state.value == "failed"
 
 
-def test_retire_lets_a_job_resumed_from_an_older_step_save_the_newer_steps_again(ray_local, tmp_path, run_name):
+def test_retire_lets_a_job_resumed_from_an_older_step_save_the_newer_steps_again(ray_local, tmp_path, run_name,
+                                                                                  capsys):
     root = str(tmp_path / "ckpt")
     monitor = ckptd.start_monitor(root, run=run_name)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
@@ -265,8 +266,14 @@ def test_retire_lets_a_job_resumed_from_an_older_step_save_the_newer_steps_again
     with pytest.raises(ckptd.CheckpointConfigError, match="is live"):
         ckptd.retire_steps(root, after=1)
     ray.kill(monitor, no_restart=True)
-    assert ckptd.retire_steps(root, after=1) == [2, 3]
+    from ckptd.cli import main
+
+    assert main(["retire", root, "--after", "1"]) == 0  # without --yes: only says what would go
+    assert ckptd.latest_step(root) == 3
+    assert main(["retire", root, "--after", "1", "--yes"]) == 0
+    assert "retired steps [2, 3]; latest checkpoint is now 1" in capsys.readouterr().out
     assert ckptd.latest_step(root) == 1 and tracker(root) == 1
+    assert sorted(n for n in os.listdir(root) if n.startswith("global_step_")) == ["global_step_1"]
     monitor = ckptd.start_monitor(root, run=run_name)
     try:
         coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")

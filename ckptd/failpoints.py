@@ -31,6 +31,7 @@ FAILPOINTS: dict[str, str] = {
     "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
     "after_publish": "monitor: a manifest or tracker was published, then its publish raised (outcome uncertain)",
     "settle_sync": "monitor: settling an uncertain publish found it on storage, before syncing it again",
+    "before_failure_record": "monitor: a step failed, before its failure record is written",
     "before_step_delete": "monitor: retention is about to delete a step directory",
     "after_mirror_file": "monitor: one file of a step was uploaded to the mirror and verified",
     "before_mirror_manifest": "monitor: every file of a step is on the mirror, before its manifest",

@@ -199,6 +199,7 @@ class PendingStep:
 
     def first_seen(self) -> float | None:
         times = [f[0] for f in self.finished.values()] + [t for t, _ in self.failed.values()]
+        times += list(self.started.values())
         times += [r.at for r in self.registrations]
         return min(times) if times else None
 

@@ -77,6 +77,7 @@ class CheckpointMonitor(CommitFlow):
         self._ledger = StepLedger(self._opts.step_timeout_s, self._opts.unregistered_warning_s)
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
         self._committing: dict[int, asyncio.Event] = {}  # steps with a commit in flight
+        self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failure records being written
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()
@@ -116,6 +117,9 @@ class CheckpointMonitor(CommitFlow):
                                   self._retention.schedule)
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
+        # Steps that timed out while no monitor ran (or before the last one recorded it) fail
+        # before anything can commit them.
+        self._ledger.expire(time.time())
         for rec in rebuilt.steps:
             self._spawn(self._after_change(rec))
         self._retention.schedule()
@@ -196,6 +200,7 @@ class CheckpointMonitor(CommitFlow):
             await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
             rec = self._ledger.register(reg)
             await self._after_change(rec)
+        await self.durable(reg.step)
         for kind in {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}:
             failure = self._ledger.failure_of(reg.step, kind)
             if failure is not None:
@@ -236,7 +241,10 @@ class CheckpointMonitor(CommitFlow):
         await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
         if self._fenced is not None:
             return self._fenced
-        return self._ledger.admit(uid, time.time())
+        why = self._ledger.admit(uid, time.time())
+        if why is not None:
+            await self.durable(uid.step)  # "already failed" is said only once it is recorded
+        return why
 
     async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
         self._slots.release(_slot_key(uid))

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from ckptd import protocol
+from ckptd import failpoints, protocol
 from ckptd.config import Kind
 from ckptd.monitor.attempts import FencedError
 from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
@@ -55,17 +55,32 @@ class CommitFlow:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
                 await self._record_failure(rec, kind)
 
+    async def durable(self, step: int) -> None:
+        """Wait until the failures of ``step`` known in memory are recorded in storage: only then
+        may anyone be told (a monitor restarted before that would not know of them)."""
+        for kind in Kind:
+            event = self._failure_writes.get((step, kind))
+            if event is not None:
+                await event.wait()
+
+    def _write_failure(self, step: int, kind: Kind, reason: str) -> None:
+        failpoints.hit("before_failure_record")
+        protocol.write_step_failure(self._storage, self._attempt, step, kind, reason)
+
     async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
         key = (rec.step, kind)
         self._failures_recorded.add(key)  # before the await: one record per failure
+        written = self._failure_writes[key] = asyncio.Event()
         reason = rec[kind].reason or "failed"
         try:
-            await self._in_thread(protocol.write_step_failure, self._storage, self._attempt, rec.step, kind, reason)
+            await self._in_thread(self._write_failure, rec.step, kind, reason)
         except Exception as e:
             # The unit's own failure receipt (if any) still keeps the step from committing after a
             # restart; a timeout or commit failure would be found again by the restarted monitor.
             log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
         self._failures_durable.add(key)
+        written.set()
+        self._failure_writes.pop(key, None)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
         self._wake(rec.step, kind)

@@ -11,7 +11,7 @@ from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.layout import LEDGER_DIR, check_template, record_template
 from ckptd.monitor.actor import monitor_actor_class
-from ckptd.monitor.attempts import AttemptRecord, current_attempt, open_attempt
+from ckptd.monitor.attempts import AttemptRecord, current_attempt, list_attempts, open_attempt, read_attempt
 from ckptd.protocol import actor_name
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
@@ -105,6 +105,20 @@ def start_monitor(
     if result["error"] is not None:
         _undo(storage, handle, attempt, fresh)
         raise CheckpointConfigError(result["error"])
+    # Two start_monitor calls that raced past the live-monitor check: the newer attempt wins only
+    # if no older one came alive meanwhile; a loser takes back what it wrote.
+    older = [n for n in list_attempts(storage) if n < attempt.attempt]
+    previous = read_attempt(storage, older[-1]) if older else None
+    newest = current_attempt(storage)
+    rival = newest if newest is not None and newest.attempt != attempt.attempt else None
+    if rival is None and previous is not None and not takeover and _live_monitor_of(previous) is not None:
+        rival = previous
+    if rival is not None:
+        _undo(storage, handle, attempt, [])
+        raise CheckpointConfigError(
+            f"another start_monitor opened attempt {rival.attempt} of {storage.url!r} (run {rival.run!r}) "
+            "while this one was starting; one job per root. Attach to it with ckptd.get_monitor"
+        )
     return handle
 
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import ray
@@ -185,3 +186,54 @@ def test_a_changed_file_outside_units_withdraws_the_state_dict_that_listed_it(ma
         coord.wait_committed(6, timeout_s=30)
     wait_for(lambda: not os.path.exists(f"{out}/{MANIFESTS[Kind.STATE_DICT]}"), what="the state dict to be withdrawn")
     assert tracker(root, Kind.STATE_DICT) is None and ckptd.latest_step(root, "state_dict") is None
+
+
+def test_a_failure_is_recorded_before_anyone_is_told(make_monitor, tmp_path):
+    """A commit fails; its failure record is slow to write. A unit refused with "already failed"
+    meanwhile must not hear it before the record is durable: a monitor killed right after would
+    otherwise commit the step it reported failed."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0, runtime_env=failpoint_env(
+        "before_manifest=raise,before_failure_record=delay:2", once_dir=tmp_path / "once"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"m")], 1)
+    coord.register(1, checkpoint_thread_count=1)
+    wait_for(lambda: status(monitor).step(1).state.value == "failed", what="the commit to fail")
+    ran = []
+    coord.save_async("late", lambda: ran.append(1), 1)
+    assert "has already failed" in wait_all(coord) and ran == []
+    restart_monitor(monitor, "SIGKILL")  # at once, as a crash right after the answer would
+    assert status(monitor).step(1).state.value == "failed"
+    assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
+    with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
+        coord.wait_committed(1, timeout_s=10)
+
+
+def test_two_concurrent_start_monitors_on_one_root_leave_one_monitor(ray_local, tmp_path, run_name):
+    root = str(tmp_path / "ckpt")
+    barrier, results = threading.Barrier(2), {}
+
+    def start(run: str) -> None:
+        barrier.wait()
+        try:
+            results[run] = ckptd.start_monitor(root, run=run)
+        except ckptd.CheckpointConfigError as e:
+            results[run] = e
+
+    threads = [threading.Thread(target=start, args=(f"{run_name}-{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    handles = [r for r in results.values() if not isinstance(r, Exception)]
+    try:
+        assert len(handles) == 1, results
+        (refused,) = [r for r in results.values() if isinstance(r, Exception)]
+        assert "live monitor" in str(refused) or "while this one was starting" in str(refused)
+        coord = ckptd.CheckpointCoordinator(handles[0], worker_id="w")
+        coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"m")], 1)
+        coord.register(1, checkpoint_thread_count=1)
+        coord.wait_committed(1, timeout_s=30)
+    finally:
+        for h in handles:
+            ray.kill(h, no_restart=True)

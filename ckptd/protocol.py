@@ -144,7 +144,15 @@ def _dump(obj: dict) -> bytes:
 
 def write_registration(storage: Storage, attempt: int, reg: Registration) -> None:
     path = f"{step_pending_dir(storage, attempt, reg.step)}/reg-{reg.reg_id}.json"
-    storage.write_atomic(path, reg.model_dump_json().encode())
+    for tries in range(3):
+        try:
+            storage.write_atomic(path, reg.model_dump_json().encode())
+            return
+        except FileNotFoundError:
+            # The step's records directory was being removed (retention of an old step) between
+            # creating it and writing into it: write it again.
+            if tries == 2:
+                raise
 
 
 def _receipt_path(storage: Storage, attempt: int, unit: UnitId) -> str:

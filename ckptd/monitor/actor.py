@@ -194,12 +194,19 @@ class CheckpointMonitor(CommitFlow):
             return {"error": {"type": type(e).__name__, "message": str(e)}}
         except CheckpointConfigError as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
+        failed = await self._failure_for(reg)
+        if failed is not None:
+            return failed  # nothing is written for a step that already failed
         rec = self._ledger.get(reg.step)
         if rec is None or reg.reg_id not in rec.registrations:
             # Durable before acknowledged: a restarted monitor must still know what to expect.
             await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
             rec = self._ledger.register(reg)
             await self._after_change(rec)
+        return await self._failure_for(reg) or {"error": None}
+
+    async def _failure_for(self, reg: Registration) -> dict | None:
+        """The error to answer a registration with if a kind it concerns failed (once recorded)."""
         await self.durable(reg.step)
         for kind in {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}:
             failure = self._ledger.failure_of(reg.step, kind)
@@ -207,7 +214,7 @@ class CheckpointMonitor(CommitFlow):
                 unit, cause = failure
                 return {"error": {"type": "CheckpointSaveError", "step": reg.step, "kind": kind.value,
                                   "unit": unit, "cause": cause}}
-        return {"error": None}
+        return None
 
     async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> list[dict | None]:
         """Several notifications in one call, applied in order; one result each.

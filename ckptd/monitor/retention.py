@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptd import failpoints
@@ -116,9 +117,11 @@ class PassResult:
     errors: list[str] = field(default_factory=list)
 
 
-def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float) -> PassResult:
+def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
+             before_delete: Callable[[StepEntry], None] | None = None) -> PassResult:
     """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
-    the step again in storage); it never stops the deletions after it."""
+    the step again in storage); it never stops the deletions after it. ``before_delete`` runs
+    before each committed step is deleted."""
     result = PassResult()
     todo = plan.delete + plan.leftovers_failed
     for entry in plan.leftovers_idle:
@@ -129,6 +132,8 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float) -> PassResul
             log.warning("could not inspect leftover %s: %s", entry.name, e)
     for entry in sorted(todo, key=lambda e: e.step):
         try:
+            if before_delete is not None and entry.committed:
+                before_delete(entry)
             delete_step(storage, entry)
             result.deleted.append(entry.step)
         except Exception as e:  # best-effort clean-up: retried on the next pass
@@ -204,7 +209,7 @@ class RetentionRunner:
     def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
-        result = run_plan(self._storage, plan, self._grace_s)
-        for step in result.deleted:
-            self._cleanup(step)
-        return result
+        # A committed step's ledger records go before its directory: a monitor killed in between
+        # still sees the manifest (committed), never records of a step whose files are gone. A
+        # failed step keeps its records: they are what tells a restarted monitor it failed.
+        return run_plan(self._storage, plan, self._grace_s, before_delete=lambda entry: self._cleanup(entry.step))

@@ -118,5 +118,9 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
     # Failed step 1 at once, crashed step 2 (untouched for an hour) too; step 3 was written
     # moments ago, perhaps by a save this monitor has not heard of yet: it stays for now.
     assert _steps(root) == {3, 4}
-    assert ledger_records(root, 1) == []
+    # The failed step's records stay: they are what tells a restarted monitor that it failed.
+    assert ledger_records(root, 1) != []
+    restart_monitor(monitor)
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.register(1, is_state_dict=True, state_dict_thread_count=1)
     coord.close()

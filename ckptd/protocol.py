@@ -190,6 +190,14 @@ def write_step_failure(storage: Storage, attempt: int, step: int, kind: Kind, re
     storage.write_atomic(path, _dump({"reason": reason, "at": time.time()}))
 
 
+def write_step_deleted(storage: Storage, attempt: int, step: int, kinds: list[Kind]) -> None:
+    """Retention deleted the step, whose ``kinds`` had committed: a step that also has a failed
+    kind keeps its records (the failure must not be forgotten), and this says the committed
+    kinds are not to be committed again."""
+    path = f"{step_pending_dir(storage, attempt, step)}/deleted.json"
+    storage.write_atomic(path, _dump({"kinds": sorted(k.value for k in kinds), "at": time.time()}))
+
+
 def remove_step_records(storage: Storage, attempt: int, step: int) -> None:
     storage.rm(step_pending_dir(storage, attempt, step))
 
@@ -204,6 +212,7 @@ class PendingStep:
     finished: dict[UnitId, tuple[float, list[FileEntry], bool]] = field(default_factory=dict)
     failed: dict[UnitId, tuple[float, UnitFailure]] = field(default_factory=dict)
     failure_reasons: dict[Kind, str] = field(default_factory=dict)
+    deleted_kinds: list[Kind] = field(default_factory=list)  # committed, then deleted by retention
 
     def first_seen(self) -> float | None:
         times = [f[0] for f in self.finished.values()] + [t for t, _ in self.failed.values()]
@@ -257,7 +266,9 @@ def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
         body = _read_json(storage, f"{d}/{name}")
         if body is None:
             continue
-        if name.startswith("reg-"):
+        if name == "deleted.json":
+            rec.deleted_kinds = [Kind(k) for k in body["kinds"]]
+        elif name.startswith("reg-"):
             rec.registrations.append(Registration.model_validate(body))
         elif name.startswith("failed-"):
             rec.failure_reasons[Kind(name[len("failed-"):-len(".json")])] = body["reason"]

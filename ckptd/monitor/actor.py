@@ -110,7 +110,8 @@ class CheckpointMonitor(CommitFlow):
             self._io.submit(self._cleanup, step)
         self._mirror: Mirror | None = None
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
-                                          self._spawn, self._in_thread, self._protected, self._cleanup)
+                                          self._spawn, self._in_thread, self._protected, self._cleanup,
+                                          partial(protocol.write_step_deleted, self._storage, self._attempt))
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,

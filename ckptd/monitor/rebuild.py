@@ -52,6 +52,8 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         if ledger.is_committed(pending.step, Kind.CHECKPOINT):
             out.settled.append(pending.step)
             continue
+        for kind in pending.deleted_kinds:
+            ledger.mark_committed(pending.step, kind, now)
         for reg in pending.registrations:
             ledger.register(reg, replay=True)
         for unit, t in pending.started.items():

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,14 +90,35 @@ def plan_retention(
     return plan
 
 
+TRASH = ".ckptd/trash"
+
+
 def delete_step(storage: Storage, entry: StepEntry) -> None:
-    """Delete a step directory, manifests first, so a half-deleted step reads as uncommitted."""
+    """Delete a step directory.
+
+    POSIX: the directory is first renamed into ``.ckptd/trash`` (one atomic step: readers, and a
+    monitor killed part-way, see the step whole or not at all), then removed. Elsewhere: manifests
+    first, so a half-deleted step reads as uncommitted.
+    """
     failpoints.hit("before_step_delete")
     path = storage.join(entry.name)
+    if storage.is_posix:
+        trash = storage.join(TRASH)
+        os.makedirs(trash, exist_ok=True)
+        target = f"{trash}/{entry.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, target)
+        storage.rm(target)
+        return
     for kind in (Kind.CHECKPOINT, Kind.STATE_DICT):
         if kind in entry.kinds:
             storage.rm(f"{path}/{MANIFESTS[kind]}")
     storage.rm(path)
+
+
+def empty_trash(storage: Storage) -> None:
+    """Remove what a killed retention pass left in the trash (best effort)."""
+    if storage.is_posix:
+        storage.rm(storage.join(TRASH))
 
 
 def is_idle(storage: Storage, entry: StepEntry, grace_s: float, now: float | None = None) -> bool:
@@ -156,10 +179,11 @@ class RetentionRunner:
     Args:
         protected: Returns the steps never to delete now.
         cleanup: Removes the ledger records of a deleted step.
+        mark_deleted: Records that a step with a failed kind was deleted, with its committed kinds.
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
-                 protected, cleanup) -> None:
+                 protected, cleanup, mark_deleted) -> None:
         self._storage = storage
         self._template = template
         self._policy = RetentionPolicy.of(opts)
@@ -169,6 +193,7 @@ class RetentionRunner:
         self._in_thread = in_thread
         self._protected = protected
         self._cleanup = cleanup
+        self._mark_deleted = mark_deleted
         self._running = False
         self._again = False
         self.idle = asyncio.Event()
@@ -207,9 +232,17 @@ class RetentionRunner:
             self.idle.set()
 
     def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
+        empty_trash(self._storage)
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
-        # failed step keeps its records: they are what tells a restarted monitor it failed.
-        return run_plan(self._storage, plan, self._grace_s, before_delete=lambda entry: self._cleanup(entry.step))
+        # step with a failed kind keeps its records: they are what tells a restarted monitor it
+        # failed; a marker says which of its kinds had committed.
+        def before_delete(entry: StepEntry) -> None:
+            if entry.step in failed:
+                self._mark_deleted(entry.step, sorted(entry.kinds))
+            else:
+                self._cleanup(entry.step)
+
+        return run_plan(self._storage, plan, self._grace_s, before_delete=before_delete)

@@ -145,7 +145,7 @@ class StorageConformance:
         storage.write_atomic(storage.join(TRACKERS[Kind.CHECKPOINT]), b"\x00garbage")
         assert ckptd.latest_step(storage.url, storage_options=storage.storage_options) == 7
 
-    def test_retention_removes_the_manifest_first_and_then_the_step(self, storage, other):
+    def test_retention_removes_a_step_whole(self, storage, other):
         self.commit_step(storage, 1)
         self.commit_step(storage, 2)
         entry = scan_steps(other)[1]

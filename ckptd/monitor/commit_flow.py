@@ -37,7 +37,8 @@ class CommitFlow:
         state = self._ledger.state_of(step, kind)
         if state is StepState.FAILED:
             return (step, kind) in self._failures_durable
-        return state is StepState.COMMITTED
+        # A full checkpoint holds the weights too: it commits the state dict of its step for readers.
+        return state is StepState.COMMITTED or self._ledger.is_committed(step, Kind.CHECKPOINT)
 
     def _wake(self, step: int, kind: Kind) -> None:
         event = self._events.pop((step, kind), None)
@@ -146,6 +147,8 @@ class CommitFlow:
         for kind in kinds:
             self._ledger.commit_done(rec, kind, now, plan.units[kind], manifests[kind].files)
             self._wake(rec.step, kind)
+        if Kind.CHECKPOINT in kinds:
+            self._wake(rec.step, SD)
         if self._mirror is not None and (any(self._mirror.mirrors(k) for k in kinds)
                                          or self._ledger.is_committed(rec.step, Kind.CHECKPOINT)):
             # Before retention runs: the step is protected until mirrored. A state dict committed

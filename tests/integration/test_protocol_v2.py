@@ -59,6 +59,16 @@ def test_trinity_save_checkpoint_moves_both_trackers(make_monitor, tmp_path):
     assert ckptd.verify(root, 4).files.keys() == {"actor/model.pt"}
 
 
+def test_a_full_checkpoint_without_state_dict_units_counts_as_the_steps_state_dict(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(3)}/m.bin", b"m")], 3)
+    coord.register(3, checkpoint_thread_count=1)
+    coord.wait_committed(3, is_state_dict=True, timeout_s=30)  # as latest_step(root, "state_dict") says
+    assert tracker(root, Kind.STATE_DICT) == 3 and ckptd.latest_step(root, "state_dict") == 3
+
+
 def test_state_dict_then_full_checkpoint_of_the_same_step(make_monitor, tmp_path):
     """save_state_dict(S), then save_checkpoint(S) of the same weights: both trackers reach S."""
     root = str(tmp_path / "ckpt")

@@ -7,7 +7,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import ray
@@ -207,33 +206,3 @@ def test_a_failure_is_recorded_before_anyone_is_told(make_monitor, tmp_path):
     assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
     with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
         coord.wait_committed(1, timeout_s=10)
-
-
-def test_two_concurrent_start_monitors_on_one_root_leave_one_monitor(ray_local, tmp_path, run_name):
-    root = str(tmp_path / "ckpt")
-    barrier, results = threading.Barrier(2), {}
-
-    def start(run: str) -> None:
-        barrier.wait()
-        try:
-            results[run] = ckptd.start_monitor(root, run=run)
-        except ckptd.CheckpointConfigError as e:
-            results[run] = e
-
-    threads = [threading.Thread(target=start, args=(f"{run_name}-{i}",)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    handles = [r for r in results.values() if not isinstance(r, Exception)]
-    try:
-        assert len(handles) == 1, results
-        (refused,) = [r for r in results.values() if isinstance(r, Exception)]
-        assert "live monitor" in str(refused) or "while this one was starting" in str(refused)
-        coord = ckptd.CheckpointCoordinator(handles[0], worker_id="w")
-        coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"m")], 1)
-        coord.register(1, checkpoint_thread_count=1)
-        coord.wait_committed(1, timeout_s=30)
-    finally:
-        for h in handles:
-            ray.kill(h, no_restart=True)

@@ -68,7 +68,6 @@ class CommitPlan:
         reports: Unit key -> the files it reported, for every finished unit of the step.
         units: Kind -> the unit keys its manifest counts.
         sd_units: Keys of the units whose files go into a state-dict manifest.
-        committed: Files an earlier manifest of the step lists (they must be unchanged).
         take_unclaimed: Whether files no unit reported, or that a unit only found by time, may
             be attributed now (no unit of the step that could be writing them is running).
         found: Keys of the units whose files were found by time (their save_fn returned None).
@@ -82,7 +81,6 @@ class CommitPlan:
     reports: dict[str, list[FileEntry]]
     units: dict[Kind, list[str]]
     sd_units: set[str]
-    committed: dict[str, FileEntry] = field(default_factory=dict)
     take_unclaimed: bool = True
     found: set[str] = field(default_factory=set)
     registered: dict[Kind, int] = field(default_factory=dict)
@@ -119,15 +117,14 @@ class Committer:
                 "wrote no files, and the directory name needs the epoch"
             )
         step_path = self.storage.join(name)
-        committed = dict(plan.committed)
+        committed: dict[str, FileEntry] = {}  # what the step's earlier manifests list
         for kind in Kind:
             text = None if kind in plan.kinds else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
             if text is not None:
                 committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
-        plan.committed = committed
         on_storage = {rel: st for rel, st in self.storage.walk_files(step_path).items() if not is_internal(rel)}
         claimed = self._check_reports(plan, step_path, on_storage)
-        for rel, entry in plan.committed.items():
+        for rel, entry in committed.items():
             st = on_storage.get(rel)
             if st is None or not self._unchanged(f"{step_path}/{rel}", entry, st):
                 raise CommitCheckError(
@@ -135,7 +132,7 @@ class Committer:
                     f"{'gone' if st is None else f'now {st.size} bytes'}; a later save rewrote it. "
                     "Committed files must not change: save into a new step", committed_changed=True
                 )
-        unclaimed = sorted(set(on_storage) - set(claimed) - set(plan.committed))
+        unclaimed = sorted(set(on_storage) - set(claimed) - set(committed))
         uncertain = unclaimed + sorted(rel for rel, (_e, unit) in claimed.items() if unit in plan.found)
         if uncertain and not plan.take_unclaimed:
             # A unit still running beside this commit may be writing these: wait for it.
@@ -147,7 +144,7 @@ class Committer:
                 files = {rel: e for rel, (e, unit) in claimed.items() if unit in plan.sd_units}
                 files.update(outside)
             else:
-                files = dict(plan.committed)
+                files = dict(committed)
                 files.update({rel: e for rel, (e, _unit) in claimed.items()})
                 files.update(outside)
             units = plan.units[kind] + ([OUTSIDE_UNITS] if outside else [])

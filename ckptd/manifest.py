@@ -8,11 +8,11 @@ thread, so the monitor never reads checkpoint bytes.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
+from ckptd.checksum import crc32, hex_of
 from ckptd.config import Kind
 from ckptd.storage import TMP_PREFIX, Storage
 
@@ -73,9 +73,9 @@ def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
     size = 0
     with storage.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
-    return size, f"{crc:08x}"
+    return size, hex_of(crc)
 
 
 def is_internal(rel_path: str) -> bool:

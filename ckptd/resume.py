@@ -14,7 +14,7 @@ from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
 from ckptd.workers import hf, lora, sharded
 from ckptd.workers.files import load_json, load_torch
-from ckptd.workers.safetensors_io import read_safetensors
+from ckptd.workers.mapped import read_safetensors
 from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
 
 log = logging.getLogger("ckptd.resume")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -19,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from ckptd.checksum import crc32, hex_of
 from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.storage import Storage
@@ -28,7 +28,7 @@ _CHUNK = 64 << 20
 
 
 _OVERLAP_MIN = 1 << 20
-# zlib.crc32 and file writes both release the GIL on large buffers, so a helper thread can
+# CRC-32 and file writes both release the GIL on large buffers, so a helper thread can
 # checksum a slice while the writing thread hands the same slice to the OS.
 _crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc", initializer=lower_priority)
 
@@ -54,17 +54,17 @@ class ChecksumWriter(io.RawIOBase):
         for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
             if len(part) < _OVERLAP_MIN:
-                self.crc = zlib.crc32(part, self.crc)
+                self.crc = crc32(part, self.crc)
                 self._f.write(part)
                 continue
-            crc = _crc_pool.submit(zlib.crc32, part, self.crc)
+            crc = _crc_pool.submit(crc32, part, self.crc)
             self._f.write(part)
             self.crc = crc.result()
         self.size += len(view)
         return len(view)
 
     def record(self, path: str) -> WrittenFile:
-        return WrittenFile(path=path, size=self.size, crc32=f"{self.crc:08x}")
+        return WrittenFile(path=path, size=self.size, crc32=hex_of(self.crc))
 
 
 def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter], None]) -> WrittenFile:
@@ -109,7 +109,7 @@ def read_verified(storage: Storage, path: str, entry: FileEntry | None) -> bytes
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing") from None
     if entry is not None:
-        problem = mismatch(entry, len(data), f"{zlib.crc32(data):08x}")
+        problem = mismatch(entry, len(data), hex_of(crc32(data)))
         if problem:
             raise CorruptCheckpointError(f"{path}: {problem}")
     return data

@@ -26,7 +26,8 @@ from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.storage import Storage
 from ckptd.workers.files import load_json, read_verified, write_bytes, write_json
-from ckptd.workers.safetensors_io import check_tensors, read_safetensors, tensor_nbytes, write_safetensors
+from ckptd.workers.mapped import read_safetensors
+from ckptd.workers.safetensors_io import check_tensors, tensor_nbytes, write_safetensors
 from ckptd.workers.state_dict import select_prefix
 
 WEIGHTS = "model.safetensors"

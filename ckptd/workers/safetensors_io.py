@@ -4,7 +4,7 @@ The format is an 8-byte little-endian header length, a JSON header (dtype, shape
 of every tensor, plus string metadata), then the raw bytes of the tensors back to back. Writing
 it here rather than with ``safetensors.torch.save`` lets the bytes stream into any fsspec file
 with the checksum computed on the way, without a second in-memory copy of the whole file.
-Reading uses the safetensors library.
+Reading is in :mod:`ckptd.workers.mapped` (memory-mapped, verified).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import struct
 from collections.abc import Mapping
 
 import torch
-from safetensors.torch import load as st_load
 
-from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
-from ckptd.manifest import FileEntry, WrittenFile
+from ckptd.errors import CheckpointConfigError
+from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
-from ckptd.workers.files import ChecksumWriter, read_verified, write_stream
+from ckptd.workers.files import ChecksumWriter, write_stream
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -83,22 +82,3 @@ def write_safetensors(
             w.write(_bytes_of(t))
 
     return write_stream(storage, path, fill)
-
-
-def header_of(data: bytes, path: str) -> dict:
-    """The JSON header of a safetensors file's bytes."""
-    try:
-        (n,) = struct.unpack("<Q", data[:8])
-        return json.loads(data[8 : 8 + n])
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: not a safetensors file ({e})") from e
-
-
-def read_safetensors(storage: Storage, path: str, entry: FileEntry | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and metadata of a safetensors file, verified against its manifest entry."""
-    data = read_verified(storage, path, entry)
-    metadata = header_of(data, path).get("__metadata__", {})
-    try:
-        return st_load(data), metadata
-    except Exception as e:  # safetensors raises its own SafetensorError on malformed files
-        raise CorruptCheckpointError(f"{path}: unreadable safetensors file ({e})") from e

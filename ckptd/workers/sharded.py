@@ -25,7 +25,8 @@ from ckptd.storage import Storage
 from ckptd.units import check_rank
 from ckptd.workers.files import load_json, read_verified, write_json
 from ckptd.workers.hf import save_hf_model
-from ckptd.workers.safetensors_io import check_tensors, read_safetensors, write_safetensors
+from ckptd.workers.mapped import read_safetensors
+from ckptd.workers.safetensors_io import check_tensors, write_safetensors
 
 METADATA = "sharded_metadata.json"
 FORMAT = "ckptd-sharded"

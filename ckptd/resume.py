@@ -12,10 +12,9 @@ from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.storage import Storage
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
-from ckptd.workers import hf, lora, sharded
 from ckptd.workers.files import load_json, load_torch
-from ckptd.workers.mapped import read_safetensors
 from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
+from ckptd.workers.weights import read_weights
 
 log = logging.getLogger("ckptd.resume")
 
@@ -57,7 +56,7 @@ def resume(
     rank: int = 0,
     world_size: int | None = None,
     step: int | None = None,
-    model_dir: str = "",
+    model_dir: str | None = None,
     state_dir: str = "",
     restore_rng: bool = True,
     adapter_name: str = "default",
@@ -200,38 +199,7 @@ def _summary(committed: CommittedStep) -> str:
     return ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
 
 
-def _model_loader(storage: Storage, committed: CommittedStep, model: Any, model_dir: str, adapter_name: str):
-    rel = model_dir.strip("/") + "/" if model_dir.strip("/") else ""
-    names = {p[len(rel):] for p in committed.files if p.startswith(rel) and "/" not in p[len(rel):]}
-    base = f"{committed.path}/{rel}".rstrip("/")
-    manifest = committed.files
-    if lora.ADAPTER_WEIGHTS in names:
-        tensors, _ = read_safetensors(storage, f"{base}/{lora.ADAPTER_WEIGHTS}", manifest[rel + lora.ADAPTER_WEIGHTS])
-        if not hasattr(model, "peft_config"):
-            raise CheckpointConfigError(
-                f"step {committed.step} holds a LoRA adapter; pass the PeftModel (base model with the adapter) as model"
-            )
-        from peft import set_peft_model_state_dict  # optional dependency, only for adapters
-
-        def load_adapter() -> None:
-            result = set_peft_model_state_dict(model, tensors, adapter_name=adapter_name)
-            if result.unexpected_keys:
-                raise CheckpointConfigError(f"adapter weights the model has no place for: {result.unexpected_keys[:5]}")
-        return load_adapter
-    if sharded.is_sharded_dir(names):
-        state = sharded.load_sharded(storage, base, manifest, rel)
-    elif hf.is_hf_dir(names):
-        state = hf.load_hf_weights(storage, base, manifest, rel)
-    else:
-        raise CheckpointConfigError(
-            f"step {committed.step} has no model weights in {base or committed.path} (no model.safetensors, "
-            f"index, sharded or adapter files); it has {_summary(committed)}. Pass model_dir= if they are elsewhere"
-        )
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise CheckpointConfigError(
-            f"the weights of step {committed.step} do not fit the model: missing {missing[:5]}"
-            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    return lambda: model.load_state_dict(state, strict=True)
+def _model_loader(storage: Storage, committed: CommittedStep, model: Any, model_dir: str | None, adapter_name: str):
+    weights = read_weights(storage, committed, model_dir)
+    # Checked now (names, shapes), applied once everything else has loaded too.
+    return weights.prepare_load(model, strict=True, adapter_name=adapter_name)

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
-from ckptd.manifest import FileEntry, WrittenFile
+from ckptd.errors import CheckpointConfigError
+from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
-from ckptd.workers.files import load_json, read_verified, write_bytes, write_json
-from ckptd.workers.mapped import read_safetensors
+from ckptd.workers.files import write_bytes, write_json
 from ckptd.workers.safetensors_io import check_tensors, tensor_nbytes, write_safetensors
 from ckptd.workers.state_dict import select_prefix
 
@@ -182,32 +181,3 @@ def _save_tokenizer(storage: Storage, base: str, tokenizer: Any, tokenizer_dir: 
 
 def is_hf_dir(names: set[str]) -> bool:
     return WEIGHTS in names or INDEX in names
-
-
-def load_hf_weights(storage: Storage, base: str, manifest: Mapping[str, FileEntry] | None = None,
-                    rel: str = "") -> dict[str, torch.Tensor]:
-    """The full state dict of a HuggingFace directory, every file checked against ``manifest``.
-
-    Args:
-        storage: Storage of the step directory.
-        base: The directory's path on ``storage``.
-        manifest: Manifest entries keyed by path relative to the step directory, or None.
-        rel: ``base`` relative to the step directory ('' for the step directory itself).
-    """
-    def entry(name: str) -> FileEntry | None:
-        return None if manifest is None else manifest.get(f"{rel}{name}")
-
-    index_path = f"{base}/{INDEX}"
-    if storage.exists(index_path):
-        index = load_json(read_verified(storage, index_path, entry(INDEX)), index_path)
-        files = sorted(set(index.get("weight_map", {}).values()))
-        out: dict[str, torch.Tensor] = {}
-        for name in files:
-            tensors, _ = read_safetensors(storage, f"{base}/{name}", entry(name))
-            out.update(tensors)
-        missing = set(index["weight_map"]) - set(out)
-        if missing:
-            raise CorruptCheckpointError(f"{index_path} lists tensors no shard holds: {sorted(missing)[:5]}")
-        return out
-    tensors, _ = read_safetensors(storage, f"{base}/{WEIGHTS}", entry(WEIGHTS))
-    return tensors

@@ -8,7 +8,7 @@
 
 ... a reader needs nothing but the directory: it learns the world size from the metadata and
 assembles every tensor from the pieces. The world size is not part of any file name, so a run
-can resume on any number of ranks (:func:`load_sharded` then :func:`shard_dim0`).
+can resume on any number of ranks (:func:`ckptd.workers.weights.read_weights` then :func:`shard_dim0`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
-from ckptd.manifest import FileEntry, WrittenFile
+from ckptd.errors import CheckpointConfigError
+from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.units import check_rank
-from ckptd.workers.files import load_json, read_verified, write_json
+from ckptd.workers.files import write_json
 from ckptd.workers.hf import save_hf_model
-from ckptd.workers.mapped import read_safetensors
 from ckptd.workers.safetensors_io import check_tensors, write_safetensors
 
 METADATA = "sharded_metadata.json"
 FORMAT = "ckptd-sharded"
-_PIECES_KEY = "ckptd_pieces"
+PIECES_KEY = "ckptd_pieces"
 
 
 def shard_name(rank: int) -> str:
@@ -107,7 +106,7 @@ def save_sharded(
     check_tensors(tensors, "shards")
     storage = Storage(out_dir, storage_options)
     storage.makedirs(storage.root)
-    meta = {"format": "pt", _PIECES_KEY: json.dumps(pieces, separators=(",", ":"))}
+    meta = {"format": "pt", PIECES_KEY: json.dumps(pieces, separators=(",", ":"))}
     written = [write_safetensors(storage, f"{storage.root}/{shard_name(rank)}", tensors, meta)]
     if rank == 0:
         written.append(write_json(storage, f"{storage.root}/{METADATA}",
@@ -119,42 +118,6 @@ def is_sharded_dir(names: set[str]) -> bool:
     return METADATA in names
 
 
-def load_sharded(storage: Storage, base: str, manifest: Mapping[str, FileEntry] | None = None,
-                 rel: str = "") -> dict[str, torch.Tensor]:
-    """The full tensors of a sharded directory, assembled from every rank's pieces.
-
-    Raises:
-        CorruptCheckpointError: a shard is missing or damaged, or the pieces do not cover a
-            tensor exactly.
-    """
-    def entry(name: str) -> FileEntry | None:
-        return None if manifest is None else manifest.get(f"{rel}{name}")
-
-    meta_path = f"{base}/{METADATA}"
-    meta = load_json(read_verified(storage, meta_path, entry(METADATA)), meta_path)
-    if meta.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{meta_path}: not a ckptd sharded directory")
-    full: dict[str, torch.Tensor] = {}
-    covered: dict[str, int] = {}
-    for rank in range(int(meta["world_size"])):
-        path = f"{base}/{shard_name(rank)}"
-        tensors, st_meta = read_safetensors(storage, path, entry(shard_name(rank)))
-        pieces = json.loads(st_meta.get(_PIECES_KEY, "{}"))
-        for key, t in tensors.items():
-            info = pieces[key]
-            shape = tuple(info["global_shape"])
-            if key not in full:
-                full[key] = torch.empty(shape, dtype=t.dtype)
-                covered[key] = 0
-            index = tuple(slice(o, o + n) for o, n in zip(info["offsets"], t.shape, strict=True))
-            full[key][index] = t
-            covered[key] += t.numel()
-    short = [k for k, t in full.items() if covered[k] != t.numel()]
-    if short:
-        raise CorruptCheckpointError(f"{base}: the shards do not cover tensors {short[:5]} exactly")
-    return full
-
-
 def export_hf(
     sharded_dir: str, out_dir: str, config, *, storage_options: dict | None = None, **hf_options
 ) -> list[WrittenFile]:
@@ -163,6 +126,8 @@ def export_hf(
     ``hf_options`` go to :func:`ckptd.workers.save_hf_model` (generation_config, tokenizer,
     max_shard_size, prefix).
     """
+    from ckptd.workers.weights import read_sharded_dir  # it reads this module's format
+
     storage = Storage(sharded_dir, storage_options)
-    state = load_sharded(storage, storage.root)
+    state = read_sharded_dir(storage, storage.root).state_dict()
     return save_hf_model(out_dir, state, config, storage_options=storage_options, **hf_options)

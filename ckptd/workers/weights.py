@@ -1,0 +1,371 @@
+"""The model weights of a committed step, in any format ckptd writes, read verified.
+
+Where the weights are is found from the manifest: a directory (the step directory or one inside
+it) that holds
+
+    adapter_model.safetensors              a LoRA adapter (PEFT's format)
+    sharded_metadata.json + shard-*        ckptd shards (:func:`ckptd.workers.save_sharded`)
+    model.safetensors[.index.json]         HuggingFace safetensors, one file or sharded
+    pytorch_model.bin[.index.json]         HuggingFace pickles (loaded with ``weights_only=True``)
+    one other *.pt / *.bin file            a plain ``torch.save`` of a state dict
+
+Every file is checked against the manifest before a tensor of it is used; safetensors are
+memory-mapped on POSIX (:mod:`ckptd.workers.mapped`). Loading into a model checks every name and
+shape first, then copies on several threads, so a refused load leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import posixpath
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
+from ckptd.manifest import FileEntry
+from ckptd.storage import Storage
+from ckptd.verify import CommittedStep
+from ckptd.workers import hf, lora, sharded
+from ckptd.workers.files import load_json, load_torch
+from ckptd.workers.mapped import map_verified, pool, read_safetensors
+
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TORCH_WEIGHTS = "pytorch_model.bin"
+_TRAINING_STATE_DIRS = ("optimizer", "lr_scheduler", "rng")
+_TRAINING_STATE_FILES = ("data.pt",)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of a tensor of ``global_shape``, starting at ``offsets`` (whole: all zeros)."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return tuple(self.tensor.shape) == self.global_shape
+
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.tensor.shape, strict=True))
+
+
+def _format_of(names: set[str]) -> str | None:
+    if lora.ADAPTER_WEIGHTS in names:
+        return "lora"
+    if sharded.is_sharded_dir(names):
+        return "sharded"
+    if hf.is_hf_dir(names):
+        return "safetensors"
+    if TORCH_INDEX in names or TORCH_WEIGHTS in names:
+        return "torch"
+    pickles = [n for n in names if n.endswith((".pt", ".bin")) and n not in _TRAINING_STATE_FILES]
+    return "torch" if len(pickles) == 1 else None
+
+
+def weight_dirs(files: Iterable[str]) -> dict[str, str]:
+    """Directories (relative to the step, '' for the step itself) that hold weights, and their format."""
+    by_dir: dict[str, set[str]] = {}
+    for rel in files:
+        d, name = posixpath.split(rel)
+        if d.split("/", 1)[0] in _TRAINING_STATE_DIRS:
+            continue
+        by_dir.setdefault(d, set()).add(name)
+    found = {d: _format_of(names) for d, names in by_dir.items()}
+    return {d: f for d, f in sorted(found.items()) if f is not None}
+
+
+def _summary(committed: CommittedStep) -> str:
+    names = sorted(committed.files)
+    return ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+
+
+class WeightSet:
+    """Verified weights of one committed step: each tensor, or the pieces it was saved in.
+
+    Attributes:
+        step: The step.
+        format: ``"safetensors"``, ``"sharded"``, ``"lora"`` or ``"torch"``.
+        path: The directory the weights were read from.
+        files: The files read, relative to the step directory (each checked against the manifest).
+    """
+
+    def __init__(self, step: int, format: str, path: str, files: list[str], pieces: dict[str, list[Piece]]):
+        self.step = step
+        self.format = format
+        self.path = path
+        self.files = files
+        self._pieces = pieces
+
+    def keys(self) -> list[str]:
+        return list(self._pieces)
+
+    def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Name -> tensor. On CPU, tensors of mapped safetensors files are views of the mapping
+        (no copy); tensors saved in pieces (ckptd shards) are assembled."""
+        out = {}
+        for key, pieces in self._pieces.items():
+            if len(pieces) == 1 and pieces[0].whole:
+                t = pieces[0].tensor
+            else:
+                t = torch.empty(pieces[0].global_shape, dtype=pieces[0].tensor.dtype)
+                for p in pieces:
+                    t[p.index()] = p.tensor
+            out[key] = t if torch.device(device).type == "cpu" else t.to(device)
+        return out
+
+    def load_into(self, model: Any, strict: bool = True, adapter_name: str = "default") -> None:
+        """Copy the weights into ``model`` (an ``nn.Module``; for a LoRA adapter, the ``PeftModel``).
+
+        Every name and shape is checked before anything is copied, so a refused load changes
+        nothing. Copies run on several threads; parameters may be on any device.
+
+        Args:
+            model: The module to load into.
+            strict: Names must match exactly (weights tied to a loaded one, such as an LM head
+                tied to the embeddings, count as loaded). Otherwise only the names both have
+                are loaded.
+            adapter_name: The adapter a LoRA checkpoint is loaded into.
+
+        Raises:
+            CheckpointConfigError: names or shapes do not fit the model.
+        """
+        self.prepare_load(model, strict, adapter_name)()
+
+    def prepare_load(self, model: Any, strict: bool = True, adapter_name: str = "default") -> Callable[[], None]:
+        """:meth:`load_into` in two halves: check now, and return the function that copies."""
+        if self.format == "lora":
+            return self._adapter_loader(model, adapter_name)
+        targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+        loaded = [k for k in self._pieces if k in targets]
+        shared = {targets[k].untyped_storage().data_ptr() for k in loaded}
+        missing = sorted(k for k in targets
+                         if k not in self._pieces and targets[k].untyped_storage().data_ptr() not in shared)
+        unexpected = sorted(set(self._pieces) - set(targets))
+        if strict and (missing or unexpected):
+            raise CheckpointConfigError(
+                f"the weights of step {self.step} ({self.path}) do not fit the model: missing {_few(missing)}, "
+                f"unexpected {_few(unexpected)}"
+            )
+        wrong = [f"{k}: {self._pieces[k][0].global_shape} vs {tuple(targets[k].shape)}" for k in loaded
+                 if self._pieces[k][0].global_shape != tuple(targets[k].shape)]
+        if wrong:
+            raise CheckpointConfigError(
+                f"the weights of step {self.step} have other shapes than the model: {_few(wrong)}")
+
+        def copy(target: torch.Tensor, piece: Piece) -> None:
+            with torch.no_grad():
+                dest = target.data if piece.whole else target.data[piece.index()]
+                dest.copy_(piece.tensor)
+
+        def apply() -> None:
+            jobs = [pool().submit(copy, targets[k], p) for k in loaded for p in self._pieces[k]]
+            for job in jobs:
+                job.result()
+
+        return apply
+
+    def _adapter_loader(self, model: Any, adapter_name: str) -> Callable[[], None]:
+        if not hasattr(model, "peft_config"):
+            raise CheckpointConfigError(
+                f"step {self.step} holds a LoRA adapter ({self.path}); pass the PeftModel (the base model "
+                "with the adapter) as model"
+            )
+        from peft import set_peft_model_state_dict  # optional dependency, only for adapters
+
+        def apply() -> None:
+            result = set_peft_model_state_dict(model, self.state_dict(), adapter_name=adapter_name)
+            if result.unexpected_keys:
+                raise CheckpointConfigError(f"adapter weights the model has no place for: {result.unexpected_keys[:5]}")
+
+        return apply
+
+
+def locate(committed: CommittedStep, model_dir: str | None) -> tuple[str, str]:
+    """The directory of the weights (relative to the step, '' for the step itself) and its format.
+
+    Raises:
+        CheckpointConfigError: ``model_dir`` holds no weights, or it is None and several
+            directories do (the message lists them).
+    """
+    dirs = weight_dirs(committed.files)
+    if model_dir is not None:
+        rel = model_dir.strip("/")
+        if rel not in dirs:
+            where = f"in {rel!r}" if rel else "in the step directory"
+            have = f"; weights are in {sorted(dirs)}" if dirs else f"; it has {_summary(committed)}"
+            raise CheckpointConfigError(
+                f"step {committed.step} has no model weights {where} (no model.safetensors, index, sharded, "
+                f"adapter or single .pt file){have}. Pass model_dir= where they were written"
+            )
+        return rel, dirs[rel]
+    if len(dirs) == 1:
+        return next(iter(dirs.items()))
+    if not dirs:
+        raise CheckpointConfigError(
+            f"step {committed.step} has no model weights (no model.safetensors, index, sharded, adapter or "
+            f"single .pt file); it has {_summary(committed)}"
+        )
+    raise CheckpointConfigError(
+        f"step {committed.step} has weights in several directories {sorted(dirs)}; pass model_dir= to pick one"
+    )
+
+
+def read_weights(storage: Storage, committed: CommittedStep, model_dir: str | None = None) -> WeightSet:
+    """Read (and check against the manifest) the weights of a committed step.
+
+    Args:
+        storage: Storage of the root the step is under.
+        committed: The step (:func:`ckptd.verify.open_step`).
+        model_dir: Where the weights are, relative to the step directory; None finds them.
+
+    Raises:
+        CorruptCheckpointError: a file differs from the manifest, is missing, or is not listed.
+        UnsafeCheckpointError: a pickle needs arbitrary objects.
+        CheckpointConfigError: no weights, or several candidate directories.
+    """
+    rel, fmt = locate(committed, model_dir)
+    prefix = f"{rel}/" if rel else ""
+    base = f"{committed.path}/{rel}".rstrip("/")
+    names = {p[len(prefix):] for p in committed.files if p.startswith(prefix) and "/" not in p[len(prefix):]}
+    reader = _Reader(storage, base, committed.files, prefix, committed.step)
+    if fmt == "lora":
+        pieces = reader.safetensors([lora.ADAPTER_WEIGHTS])
+    elif fmt == "sharded":
+        pieces = reader.sharded()
+    elif fmt == "safetensors":
+        pieces = reader.indexed(hf.INDEX, [hf.WEIGHTS], names, reader.safetensors)
+    else:
+        pickles = [n for n in names if n.endswith((".pt", ".bin")) and n not in _TRAINING_STATE_FILES]
+        pieces = reader.indexed(TORCH_INDEX, pickles, names, reader.pickles)
+    return WeightSet(committed.step, fmt, base, sorted(reader.read), pieces)
+
+
+def read_sharded_dir(storage: Storage, base: str) -> WeightSet:
+    """The weights of a ckptd sharded directory that is not (or not yet) part of a committed step:
+    nothing to check the files against."""
+    return WeightSet(-1, "sharded", base, [], _Reader(storage, base, None, "", None).sharded())
+
+
+class _Reader:
+    """Reads the files of one weights directory, each checked against its manifest entry
+    (``manifest`` maps step-relative paths to entries; None reads unchecked)."""
+
+    def __init__(self, storage: Storage, base: str, manifest: Mapping[str, FileEntry] | None, prefix: str,
+                 step: int | None) -> None:
+        self.storage, self.base, self.manifest, self.prefix, self.step = storage, base, manifest, prefix, step
+        self.read: list[str] = []
+
+    def entry(self, name: str) -> FileEntry | None:
+        rel = self.prefix + name
+        self.read.append(rel)
+        if self.manifest is None:
+            return None
+        entry = self.manifest.get(rel)
+        if entry is None:
+            raise CorruptCheckpointError(f"{self.base}/{name} is not listed in the manifest of step {self.step}")
+        return entry
+
+    def json(self, name: str) -> Any:
+        path = f"{self.base}/{name}"
+        data = map_verified(self.storage, path, self.entry(name))
+        return load_json(bytes(data), path)
+
+    def indexed(self, index: str, single: list[str], names: set[str], read) -> dict[str, list[Piece]]:
+        """The files an index names (checking that they hold every tensor it lists), or ``single``."""
+        if index not in names:
+            return read(single)
+        weight_map = self.json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CorruptCheckpointError(f"{self.base}/{index} has no weight_map")
+        pieces = read(sorted(set(weight_map.values())))
+        missing = set(weight_map) - set(pieces)
+        if missing:
+            raise CorruptCheckpointError(f"{self.base}/{index} lists tensors no file holds: {sorted(missing)[:5]}")
+        return pieces
+
+    def safetensors(self, files: list[str]) -> dict[str, list[Piece]]:
+        out: dict[str, list[Piece]] = {}
+        for name in files:
+            tensors, _ = read_safetensors(self.storage, f"{self.base}/{name}", self.entry(name))
+            out.update({k: [_whole(t)] for k, t in tensors.items()})
+        return out
+
+    def pickles(self, files: list[str]) -> dict[str, list[Piece]]:
+        out: dict[str, list[Piece]] = {}
+        for name in files:
+            path = f"{self.base}/{name}"
+            obj = _load_pickle(self.storage, path, self.entry(name))
+            if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                    for k, v in obj.items()):
+                raise CheckpointConfigError(
+                    f"{path} is not a flat state dict (name -> tensor); save model.state_dict() there, or pass "
+                    "model_dir= where the weights are"
+                )
+            out.update({k: [_whole(t)] for k, t in obj.items()})
+        return out
+
+    def sharded(self) -> dict[str, list[Piece]]:
+        meta = self.json(sharded.METADATA)
+        if meta.get("format") != sharded.FORMAT:
+            raise CorruptCheckpointError(f"{self.base}/{sharded.METADATA}: not a ckptd sharded directory")
+        out: dict[str, list[Piece]] = {}
+        for rank in range(int(meta["world_size"])):
+            name = sharded.shard_name(rank)
+            path = f"{self.base}/{name}"
+            tensors, st_meta = read_safetensors(self.storage, path, self.entry(name))
+            try:
+                info = json.loads(st_meta.get(sharded.PIECES_KEY, "{}"))
+            except json.JSONDecodeError as e:
+                raise CorruptCheckpointError(f"{path}: unreadable piece metadata ({e})") from e
+            for key, t in tensors.items():
+                if key not in info:
+                    raise CorruptCheckpointError(f"{path}: tensor {key!r} has no piece metadata")
+                offsets, shape = tuple(info[key]["offsets"]), tuple(info[key]["global_shape"])
+                if len(offsets) != t.dim() or len(shape) != t.dim() or any(
+                        o < 0 or o + n > g for o, n, g in zip(offsets, t.shape, shape, strict=True)):
+                    raise CorruptCheckpointError(f"{path}: piece of {key!r} does not fit its tensor {shape}")
+                out.setdefault(key, []).append(Piece(t, offsets, shape))
+        short = [k for k, ps in out.items() if sum(p.tensor.numel() for p in ps) != _numel(ps[0].global_shape)]
+        if short:
+            raise CorruptCheckpointError(f"{self.base}: the shards do not cover tensors {short[:5]} exactly")
+        return out
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{'...' if len(names) > 5 else ''}"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _whole(t: torch.Tensor) -> Piece:
+    return Piece(t, (0,) * t.dim(), tuple(t.shape))
+
+
+def _load_pickle(storage: Storage, path: str, entry) -> Any:
+    """A verified ``torch.save`` file, loaded with ``weights_only=True`` (memory-mapped on POSIX)."""
+    if not storage.is_posix:
+        return load_torch(map_verified(storage, path, entry), path)
+    before = os.stat(path)
+    data = map_verified(storage, path, entry)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        return load_torch(bytes(data), path)  # raises UnsafeCheckpointError, with the reason
+    except RuntimeError:  # the legacy (non-zip) format cannot be mapped: load the checked bytes
+        return load_torch(bytes(data), path)
+    after = os.stat(path)
+    if (after.st_ino, after.st_size, after.st_mtime_ns) != (before.st_ino, before.st_size, before.st_mtime_ns):
+        raise CorruptCheckpointError(f"{path} changed while it was read")
+    return obj

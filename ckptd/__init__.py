@@ -10,6 +10,7 @@ from ckptd.errors import (
     CheckpointConfigError,
     CheckpointError,
     CheckpointSaveError,
+    CheckpointTimeoutError,
     CorruptCheckpointError,
     RegistrationConflictError,
     UnsafeCheckpointError,
@@ -19,6 +20,7 @@ from ckptd.manifest import WrittenFile
 from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
 from ckptd.resume import ResumeState, resume
 from ckptd.retire import retire_steps
+from ckptd.rollout import Weights, WeightSubscriber
 from ckptd.verify import verify
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "CheckpointCoordinator",
     "CheckpointError",
     "CheckpointSaveError",
+    "CheckpointTimeoutError",
     "CorruptCheckpointError",
     "Kind",
     "MonitorOptions",
@@ -37,6 +40,8 @@ __all__ = [
     "SaveStrategy",
     "StepStatus",
     "UnsafeCheckpointError",
+    "WeightSubscriber",
+    "Weights",
     "WrittenFile",
     "get_monitor",
     "latest_step",

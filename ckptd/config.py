@@ -139,6 +139,10 @@ class MonitorOptions(RetentionLimits):
         leftover_grace_s: Step directories without a manifest that are older than the newest
             commit are deleted once nothing in them has changed for this long (failed steps
             are deleted at once).
+        read_lease_s: A read lease (a weight subscriber's pin on a step) and a subscriber's
+            liveness last this long without renewal; subscribers renew every third of it. After
+            a monitor restart, nothing committed is deleted for this long while they renew.
+        keep_served: Retention also keeps the version each live subscriber reports serving.
         mirror: Upload committed steps to this fsspec URL in the background (a
             :class:`MirrorOptions`, or just its URL). Retention applies to each tier separately.
 
@@ -158,6 +162,8 @@ class MonitorOptions(RetentionLimits):
     max_state_dict_to_keep: int | None = 2  # max_ckpt_to_keep and keep_every_n_steps: see RetentionLimits
     leftover_grace_s: float = Field(default=600.0)
     unregistered_warning_s: float = Field(default=60.0)
+    read_lease_s: float = Field(default=30.0)
+    keep_served: bool = False
     mirror: MirrorOptions | None = None
 
     @field_validator("step_dir_template")
@@ -170,7 +176,7 @@ class MonitorOptions(RetentionLimits):
     def _mirror(cls, v: Any) -> Any:
         return {"url": v} if isinstance(v, str) else v
 
-    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s", "unregistered_warning_s")
+    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s", "unregistered_warning_s", "read_lease_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:
         if not v > 0:

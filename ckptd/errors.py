@@ -54,3 +54,7 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
 
     def __reduce__(self):  # keep pickling simple for Ray: rebuild from the constructor args
         return (type(self), (self.step, self.kind, self.unit, self.cause))
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A wait (for a weight version, for instance) ran out of time before what it waited for happened."""

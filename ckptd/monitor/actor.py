@@ -36,6 +36,8 @@ from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
 from ckptd.monitor.mirror import Mirror
+from ckptd.monitor.publication import Publication
+from ckptd.monitor.readers import ReaderRegistry
 from ckptd.monitor.rebuild import rebuild
 from ckptd.monitor.retention import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
@@ -55,7 +57,7 @@ def _slot_key(unit: UnitId) -> str:
     return f"{unit.step}/{unit.kind.value}/{unit.key}"
 
 
-class CheckpointMonitor(CommitFlow):
+class CheckpointMonitor(CommitFlow, Publication):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -100,10 +102,14 @@ class CheckpointMonitor(CommitFlow):
             mark_started(self._storage, attempt)
         self._slots = SlotLeases(self._opts.save_strategy, self._opts.slot_lease_s, restarted)
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
+        self._readers = ReaderRegistry(self._opts.read_lease_s, restarted, time.time())
+        self._hold_pending = restarted  # retention runs again once the post-restart hold ends
+        self._version_changed = asyncio.Event()
         # Runs before the actor serves any request, so blocking I/O is fine here.
         rebuilt = rebuild(self._storage, self._template, self._attempt, self._ledger,
                           None if self._fenced else self._committer, self._trackers)
         self._committed_at_start = rebuilt.committed_at_start
+        self._seed_versions()
         self._failures_recorded |= rebuilt.failures
         self._failures_durable |= rebuilt.failures
         for step in rebuilt.settled:
@@ -111,7 +117,8 @@ class CheckpointMonitor(CommitFlow):
         self._mirror: Mirror | None = None
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
-                                          partial(protocol.write_step_deleted, self._storage, self._attempt))
+                                          partial(protocol.write_step_deleted, self._storage, self._attempt),
+                                          self._readers)
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,
@@ -366,6 +373,7 @@ class CheckpointMonitor(CommitFlow):
 
     def _protected(self) -> set[int]:
         protected = self._ledger.in_flight_steps() | {s for s in self._trackers.values() if s is not None}
+        protected |= self._reader_protected()
         if self._mirror is not None:
             protected |= self._mirror.protected()
         return protected
@@ -373,13 +381,14 @@ class CheckpointMonitor(CommitFlow):
     # -- housekeeping --------------------------------------------------------------------------
 
     async def _housekeeping(self) -> None:
-        period = min(1.0, self._opts.step_timeout_s / 4, self._opts.slot_lease_s / 4)
+        period = min(1.0, self._opts.step_timeout_s / 4, self._opts.slot_lease_s / 4, self._opts.read_lease_s / 4)
         while True:
             await asyncio.sleep(period)
             try:
                 for rec, _kind in self._ledger.expire(time.time()):
                     await self._after_change(rec)
                 self._slots.expire()
+                self._expire_readers(time.time())
                 self._warn()
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")

@@ -182,6 +182,7 @@ class CommitFlow:
                     continue
                 await self._retrying(self._committer.advance_tracker, k, step)
                 self._trackers[k] = step
+                self._published(k, step)
 
     def _cleanup(self, step: int) -> None:
         try:
@@ -196,6 +197,7 @@ class CommitFlow:
             try:
                 newest = await self._in_thread(self._committer.revoke, rec.step, SD)
                 self._trackers[SD] = newest
+                self._announce()
             except Exception as e:
                 log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
         self._ledger.fail_kind(rec, SD, reason, force=True)

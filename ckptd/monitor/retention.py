@@ -137,14 +137,17 @@ def is_idle(storage: Storage, entry: StepEntry, grace_s: float, now: float | Non
 @dataclass
 class PassResult:
     deleted: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # claimed by a reader at the last moment
     errors: list[str] = field(default_factory=list)
 
 
 def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
-             before_delete: Callable[[StepEntry], None] | None = None) -> PassResult:
+             before_delete: Callable[[StepEntry], None] | None = None,
+             claim: Callable[[int], bool] | None = None, unclaim: Callable[[int], None] | None = None) -> PassResult:
     """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
     the step again in storage); it never stops the deletions after it. ``before_delete`` runs
-    before each committed step is deleted."""
+    before each committed step is deleted. ``claim(step)`` is asked first for each committed
+    step: False keeps it (a reader holds it); ``unclaim(step)`` follows a claimed deletion."""
     result = PassResult()
     todo = plan.delete + plan.leftovers_failed
     for entry in plan.leftovers_idle:
@@ -154,6 +157,10 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
         except OSError as e:
             log.warning("could not inspect leftover %s: %s", entry.name, e)
     for entry in sorted(todo, key=lambda e: e.step):
+        claimed = entry.committed and claim is not None
+        if claimed and not claim(entry.step):
+            result.kept.append(entry.step)
+            continue
         try:
             if before_delete is not None and entry.committed:
                 before_delete(entry)
@@ -163,6 +170,9 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
             msg = f"could not delete {entry.name}: {type(e).__name__}: {e}"
             log.warning("%s; retrying after the next commit", msg)
             result.errors.append(msg)
+        finally:
+            if claimed and unclaim is not None:
+                unclaim(entry.step)
     return result
 
 
@@ -183,7 +193,7 @@ class RetentionRunner:
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
-                 protected, cleanup, mark_deleted) -> None:
+                 protected, cleanup, mark_deleted, readers=None) -> None:
         self._storage = storage
         self._template = template
         self._policy = RetentionPolicy.of(opts)
@@ -194,6 +204,7 @@ class RetentionRunner:
         self._protected = protected
         self._cleanup = cleanup
         self._mark_deleted = mark_deleted
+        self._readers = readers  # a ReaderRegistry: leases that keep steps, and the hold after a restart
         self._running = False
         self._again = False
         self.idle = asyncio.Event()
@@ -217,8 +228,9 @@ class RetentionRunner:
                 in_flight = self._ledger.in_flight_steps()
                 protected = self._protected() | in_flight
                 failed = self._ledger.failed_steps() - in_flight
+                hold = self._readers is not None and self._readers.holding(time.time())
                 try:
-                    result = await self._in_thread(self._pass, protected, failed)
+                    result = await self._in_thread(self._pass, protected, failed, hold)
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self.errors = result.errors
                 except Exception as e:  # best-effort: the next commit runs another pass
@@ -231,9 +243,11 @@ class RetentionRunner:
             self._running = False
             self.idle.set()
 
-    def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
+    def _pass(self, protected: set[int], failed: set[int], hold: bool = False) -> PassResult:
         empty_trash(self._storage)
         entries = scan_steps(self._storage, self._template)
+        if hold:  # readers have not yet re-announced their leases after a restart
+            protected = protected | {s for s, e in entries.items() if e.committed}
         plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
@@ -245,4 +259,7 @@ class RetentionRunner:
             else:
                 self._cleanup(entry.step)
 
-        return run_plan(self._storage, plan, self._grace_s, before_delete=before_delete)
+        readers = self._readers
+        return run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
+                        claim=None if readers is None else readers.claim_for_delete,
+                        unclaim=None if readers is None else readers.deleted)

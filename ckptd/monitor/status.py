@@ -128,6 +128,39 @@ class MirrorStatus(BaseModel):
         return next((s for s in self.steps if s.step == step), None)
 
 
+class SubscriberStatus(BaseModel):
+    """A weight subscriber (a rollout worker): what it serves, and how far behind the newest commit.
+
+    ``lag_steps`` and ``lag_s`` are None until it reports a version; ``lag_s`` counts from the
+    first commit newer than what it serves (0 while it serves the newest).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    name: str
+    kind: Kind
+    where: str
+    live: bool
+    last_seen: float
+    serving: int | None
+    serving_since: float | None
+    lag_steps: int | None
+    lag_s: float | None
+    pins: list[int]
+
+
+class PinStatus(BaseModel):
+    """A read lease: retention keeps ``step`` while it lasts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lease: str
+    subscriber: str
+    step: int
+    expires_in_s: float
+
+
 class MonitorStatus(BaseModel):
     """The monitor's view of the run. Storage credentials are never included."""
 
@@ -146,6 +179,13 @@ class MonitorStatus(BaseModel):
     mirror: MirrorStatus | None
     started_at: float
     warnings: list[str]
+    subscribers: list[SubscriberStatus] = []
+    pins: list[PinStatus] = []
+
+    def subscriber(self, name: str) -> SubscriberStatus | None:
+        """The subscriber of that name (the newest, if several have it)."""
+        found = [s for s in self.subscribers if s.name == name]
+        return max(found, key=lambda s: s.last_seen) if found else None
 
     def step(self, step: int, kind: str | Kind = Kind.CHECKPOINT) -> StepStatus | None:
         """The status of one step and kind, if the monitor still reports it in detail."""
@@ -175,4 +215,27 @@ def build_status(monitor: Any) -> MonitorStatus:
         mirror=None if monitor._mirror is None else monitor._mirror.status(),
         started_at=monitor._started_at,
         warnings=ledger.warnings(time.time()),
+        subscribers=_subscribers(monitor),
+        pins=_pins(monitor),
     )
+
+
+def _subscribers(monitor: Any) -> list[SubscriberStatus]:
+    readers, now = monitor._readers, time.time()
+    leases = readers.leases()
+    out = []
+    for sub in readers.subscribers():
+        lag_steps, lag_s = readers.lag(sub, monitor._trackers[sub.kind], now)
+        out.append(SubscriberStatus(
+            id=sub.sub_id, name=sub.name, kind=sub.kind, where=sub.where, live=readers.live(sub, now),
+            last_seen=sub.last_seen, serving=sub.serving, serving_since=sub.serving_since, lag_steps=lag_steps,
+            lag_s=lag_s, pins=sorted({lease.step for lease in leases if lease.holder == sub.sub_id}),
+        ))
+    return out
+
+
+def _pins(monitor: Any) -> list[PinStatus]:
+    readers, now = monitor._readers, time.time()
+    names = {s.sub_id: s.name for s in readers.subscribers()}
+    return [PinStatus(lease=lease.lease_id, subscriber=names.get(lease.holder, lease.holder), step=lease.step,
+                      expires_in_s=max(0.0, lease.expires - now)) for lease in readers.leases()]

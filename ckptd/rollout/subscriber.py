@@ -1,0 +1,356 @@
+"""Following a run's weight versions from a rollout worker (any Ray actor, or a plain process).
+
+With the run's monitor reachable, a subscriber long-polls it: ``wait_version`` returns the moment
+a tracker moves, and nothing reads the root in a loop. While the monitor restarts, Ray retries
+the call on the new instance, which rebuilt its trackers from storage, so the newest version is
+never missed. Without a monitor (none was started in this Ray cluster, Ray is not initialised, the
+monitor is gone for good, or ``root`` names another copy such as the mirror) the subscriber reads
+the committed state of the root every ``poll_interval_s``, and reattaches when a monitor appears.
+
+What a subscriber sends the monitor: ``reader_heartbeat(reader, leases, serving)`` every third of
+the lease (it renews the leases, and re-grants them after a monitor restart), ``pin`` and
+``release`` around each opened version, and ``report_serving``. ``reader`` is
+``{"id", "name", "kind", "where"}``; a lease is ``[lease_id, step]``; ``serving`` is
+``[version, since]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from ckptd.config import Kind
+from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointTimeoutError
+from ckptd.layout import newest_committed, parse_kind
+from ckptd.protocol import actor_name, new_id
+from ckptd.rollout.weights import Weights
+from ckptd.shared_root import where_am_i
+from ckptd.storage import Storage
+from ckptd.units import check_name, check_step
+
+log = logging.getLogger("ckptd.rollout")
+
+_LONG_POLL_S = 30.0  # one wait_version call; the loop around it honours close() and timeouts
+_CALL_TIMEOUT_S = 60.0
+
+
+class WeightSubscriber:
+    """Waits for new weight versions of a run, opens them verified and pinned, and reports the
+    version it serves.
+
+    Args:
+        run: The run whose monitor to follow (``ckptd.start_monitor(..., run=...)``).
+        namespace: The monitor's Ray namespace (None: this job's).
+        kind: ``"state_dict"`` (every published version; full checkpoints count) or
+            ``"checkpoint"``.
+        root: The checkpoint root. None takes the monitor's. Another root (the mirror, a copy)
+            is read directly, without leases.
+        storage_options: fsspec options for ``root`` (None: the monitor's, for its root).
+        name: How status shows this subscriber (default: host and pid).
+        model_dir: Where in a step directory the weights are (None: found from the manifest).
+        poll_interval_s: How often the root is read when there is no monitor to wait on.
+
+    Raises:
+        CheckpointError: no monitor of ``run`` is reachable and no ``root`` was given.
+        CheckpointConfigError: bad arguments.
+    """
+
+    def __init__(self, run: str = "default", *, namespace: str | None = None, kind: str = "state_dict",
+                 root: str | None = None, storage_options: dict | None = None, name: str | None = None,
+                 model_dir: str | None = None, poll_interval_s: float = 1.0) -> None:
+        check_name(run, "run")
+        if not poll_interval_s > 0:
+            raise CheckpointConfigError(f"poll_interval_s must be > 0 seconds, got {poll_interval_s}")
+        self.kind: Kind = parse_kind(kind)
+        self.run, self._namespace = run, namespace
+        self._model_dir = model_dir
+        self._poll_s = poll_interval_s
+        self._where = where_am_i()
+        self.name = name or self._where
+        self._info = {"id": new_id(), "name": self.name, "kind": self.kind.value, "where": self._where}
+        self._lock = threading.Lock()
+        self._leases: dict[str, int] = {}
+        self._serving: tuple[int, float] | None = None
+        self._published: dict[int, float] = {}
+        self._lease_s = 30.0
+        self._stop = threading.Event()
+        self._monitor: Any = None
+        self._wanted_root = None if root is None else Storage(root, storage_options).url
+        handle, cfg = self._find_monitor()
+        if handle is None and root is None:
+            raise CheckpointError(
+                f"no monitor of run {run!r} is reachable{'' if ray.is_initialized() else ' (Ray is not initialised)'}; "
+                "pass root= to follow the committed versions under a root directly"
+            )
+        if root is None:
+            root, storage_options = cfg["root"], storage_options or cfg["storage_options"]
+        self._storage = Storage(root, storage_options)
+        if handle is not None:
+            self._attach(handle)
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"ckptd-subscriber-{self.name}", daemon=True)
+        self._renewer.start()
+
+    # -- the monitor -----------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"monitor"`` (long-polling the run's monitor, with leases) or ``"storage"`` (reading
+        the root)."""
+        return "monitor" if self._monitor is not None else "storage"
+
+    def _find_monitor(self) -> tuple[Any, dict | None]:
+        """The run's monitor and its config, if it is reachable and serves the root asked for."""
+        if not ray.is_initialized():
+            return None, None
+        try:
+            handle = ray.get_actor(actor_name(self.run), namespace=self._namespace)
+            cfg = ray.get(handle.worker_config.remote(), timeout=_CALL_TIMEOUT_S)
+        except (ValueError, RayActorError, GetTimeoutError):
+            return None, None
+        if self._wanted_root is not None and Storage(cfg["root"], cfg["storage_options"]).url != self._wanted_root:
+            return None, None  # another copy (the mirror): read it directly
+        return handle, cfg
+
+    def _attach(self, handle: Any) -> None:
+        with self._lock:
+            leases = list(self._leases.items())
+            serving = self._serving
+        answer = ray.get(handle.reader_heartbeat.remote(self._info, leases, serving), timeout=_CALL_TIMEOUT_S)
+        self._lease_s = float(answer["lease_s"])
+        self._monitor = handle
+        self._lost(answer["lost"])
+
+    def _reattach(self) -> bool:
+        handle, _ = self._find_monitor()
+        if handle is None:
+            return False
+        try:
+            self._attach(handle)
+        except (RayActorError, GetTimeoutError):
+            return False
+        log.info("subscriber %s follows the monitor of run %r again", self.name, self.run)
+        return True
+
+    def _detach(self, error: Exception) -> None:
+        if self._monitor is not None:
+            log.warning("subscriber %s lost the monitor of run %r (%s); reading %s until it is back", self.name,
+                        self.run, type(error).__name__, self._storage.url)
+        self._monitor = None
+
+    def _lost(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            with self._lock:
+                step = self._leases.pop(lease_id, None)
+            if step is not None:
+                log.warning("subscriber %s lost its read lease on step %d", self.name, step)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self._lease_s / 3 if self._monitor is not None else self._poll_s):
+            handle = self._monitor
+            if handle is None:
+                if ray.is_initialized():
+                    self._reattach()
+                continue
+            with self._lock:
+                leases = list(self._leases.items())
+                serving = self._serving
+            try:
+                answer = ray.get(handle.reader_heartbeat.remote(self._info, leases, serving), timeout=self._lease_s)
+                self._lost(answer["lost"])
+            except (RayActorError, GetTimeoutError) as e:
+                self._detach(e)
+            except Exception:  # keep renewing whatever one round hit
+                log.exception("subscriber %s: renewing its leases failed", self.name)
+
+    # -- versions --------------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest committed version now (None if there is none)."""
+        return self._newest_now()
+
+    def _newest_now(self) -> int | None:
+        handle = self._monitor
+        if handle is not None:
+            try:
+                answer = ray.get(handle.wait_version.remote(self.kind.value, None, 0), timeout=_CALL_TIMEOUT_S)
+                return self._note(answer)
+            except (RayActorError, GetTimeoutError) as e:
+                self._detach(e)
+        return newest_committed(self._storage, self.kind)
+
+    def _note(self, answer: dict) -> int | None:
+        version = answer["version"]
+        if version is not None and answer.get("published_at") is not None:
+            self._published[version] = answer["published_at"]
+            if len(self._published) > 1000:
+                self._published.pop(next(iter(self._published)))
+        return version
+
+    def published_at(self, version: int) -> float | None:
+        """When the monitor published ``version`` (its tracker moved), if this subscriber heard it."""
+        return self._published.get(version)
+
+    def wait_for_version(self, after: int | None = None, timeout_s: float | None = None) -> int:
+        """The newest committed version newer than ``after`` (any, if None), as soon as it commits.
+
+        Raises:
+            CheckpointTimeoutError: none came within ``timeout_s``.
+        """
+        _check_wait(after, timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = _remaining(deadline)
+            handle = self._monitor
+            if handle is not None:
+                try:
+                    version = self._note(ray.get(handle.wait_version.remote(self.kind.value, after, _slice(remaining))))
+                    if version is not None:
+                        return version
+                except RayActorError as e:  # gone for good: a restart is retried by Ray itself
+                    self._detach(e)
+            else:
+                version = newest_committed(self._storage, self.kind)
+                if version is not None and (after is None or version > after):
+                    return version
+                if not (ray.is_initialized() and self._reattach()):
+                    self._stop.wait(min(self._poll_s, remaining) if remaining is not None else self._poll_s)
+            if self._stop.is_set():
+                raise CheckpointError(f"subscriber {self.name} is closed")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CheckpointTimeoutError(
+                    f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s")
+
+    async def wait_for_version_async(self, after: int | None = None, timeout_s: float | None = None) -> int:
+        """:meth:`wait_for_version` for async code (an async Ray actor): never blocks the event loop."""
+        _check_wait(after, timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = _remaining(deadline)
+            handle = self._monitor
+            if handle is not None:
+                try:
+                    answer = await handle.wait_version.remote(
+                        self.kind.value, after, _slice(remaining))
+                    version = self._note(answer)
+                    if version is not None:
+                        return version
+                except RayActorError as e:
+                    self._detach(e)
+            else:
+                version = await asyncio.to_thread(newest_committed, self._storage, self.kind)
+                if version is not None and (after is None or version > after):
+                    return version
+                if not (ray.is_initialized() and await asyncio.to_thread(self._reattach)):
+                    await asyncio.sleep(min(self._poll_s, remaining) if remaining is not None else self._poll_s)
+            if self._stop.is_set():
+                raise CheckpointError(f"subscriber {self.name} is closed")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CheckpointTimeoutError(
+                    f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s")
+
+    async def versions(self, after: int | None = None) -> AsyncIterator[int]:
+        """Each new version as it commits (the newest, when several committed meanwhile)::
+
+            async for version in subscriber.versions():
+                with subscriber.open(version) as weights:
+                    weights.load_into(model)
+                subscriber.report_serving(version)
+        """
+        while True:
+            after = await self.wait_for_version_async(after)
+            yield after
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def open(self, version: int | None = None, *, model_dir: str | None = None) -> Weights:
+        """Open a committed version (the newest if None), pinned until the handle is closed.
+
+        With a monitor, the pin is a read lease: retention does not delete the step while it is
+        held, and it expires if this process dies. Without one there is no pin.
+
+        Raises:
+            CheckpointError: nothing is committed yet, or ``version`` is not (any longer) committed.
+        """
+        if version is None:
+            version = self._newest_now()
+            if version is None:
+                raise CheckpointError(f"no {self.kind.value} is committed under {self._storage.url} yet; "
+                                      "wait_for_version() first")
+        check_step(version, "version")
+        lease_id = None
+        handle = self._monitor
+        if handle is not None:
+            lease_id = new_id()
+            with self._lock:
+                self._leases[lease_id] = version  # before the call: renewals carry it from now on
+            try:
+                answer = ray.get(handle.pin.remote(self._info, lease_id, version), timeout=_CALL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError) as e:  # read without a lease, as with no monitor
+                self._detach(e)
+                self._drop(lease_id)
+                lease_id, answer = None, {"error": None}
+            if answer["error"] is not None:
+                self._drop(lease_id)
+                raise CheckpointError(answer["error"])
+        return Weights(self, version, lease_id, model_dir if model_dir is not None else self._model_dir)
+
+    def _drop(self, lease_id: str | None) -> None:
+        with self._lock:
+            self._leases.pop(lease_id, None)
+
+    def _release(self, lease_id: str) -> None:
+        self._drop(lease_id)
+        handle = self._monitor
+        if handle is not None:
+            handle.release.remote(lease_id)  # no need to wait: the lease would expire anyway
+
+    def report_serving(self, version: int) -> None:
+        """Say that this worker now serves ``version``; status shows it, with the lag behind the
+        newest commit. Sent at once, and again with every renewal (so a restarted monitor knows)."""
+        check_step(version, "version")
+        with self._lock:
+            if self._serving is None or self._serving[0] != version:
+                self._serving = (version, time.time())
+            serving = self._serving
+        handle = self._monitor
+        if handle is not None:
+            try:
+                ray.get(handle.report_serving.remote(self._info, *serving), timeout=_CALL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError) as e:
+                self._detach(e)
+
+    def close(self) -> None:
+        """Stop renewing, and release every lease still held."""
+        self._stop.set()
+        with self._lock:
+            leases = list(self._leases)
+        for lease_id in leases:
+            self._release(lease_id)
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_wait(after: int | None, timeout_s: float | None) -> None:
+    if after is not None:
+        check_step(after, "after")
+    if timeout_s is not None and not timeout_s >= 0:
+        raise CheckpointConfigError(f"timeout_s must be >= 0 seconds or None, got {timeout_s}")
+
+
+def _slice(remaining: float | None) -> float:
+    return _LONG_POLL_S if remaining is None else min(remaining, _LONG_POLL_S)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

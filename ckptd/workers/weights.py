@@ -6,6 +6,7 @@ it) that holds
     adapter_model.safetensors              a LoRA adapter (PEFT's format)
     sharded_metadata.json + shard-*        ckptd shards (:func:`ckptd.workers.save_sharded`)
     model.safetensors[.index.json]         HuggingFace safetensors, one file or sharded
+    one other *.safetensors file           e.g. ``{name}.safetensors`` of ``coord.save_state_async``
     pytorch_model.bin[.index.json]         HuggingFace pickles (loaded with ``weights_only=True``)
     one other *.pt / *.bin file            a plain ``torch.save`` of a state dict
 
@@ -61,12 +62,16 @@ def _format_of(names: set[str]) -> str | None:
         return "lora"
     if sharded.is_sharded_dir(names):
         return "sharded"
-    if hf.is_hf_dir(names):
+    if hf.is_hf_dir(names) or len(_single(names, ".safetensors")) == 1:
         return "safetensors"
     if TORCH_INDEX in names or TORCH_WEIGHTS in names:
         return "torch"
-    pickles = [n for n in names if n.endswith((".pt", ".bin")) and n not in _TRAINING_STATE_FILES]
-    return "torch" if len(pickles) == 1 else None
+    return "torch" if len(_single(names, ".pt", ".bin")) == 1 else None
+
+
+def _single(names: Iterable[str], *suffixes: str) -> list[str]:
+    """The files with these suffixes that could be weights (not training state)."""
+    return sorted(n for n in names if n.endswith(suffixes) and n not in _TRAINING_STATE_FILES)
 
 
 def weight_dirs(files: Iterable[str]) -> dict[str, str]:
@@ -240,10 +245,11 @@ def read_weights(storage: Storage, committed: CommittedStep, model_dir: str | No
     elif fmt == "sharded":
         pieces = reader.sharded()
     elif fmt == "safetensors":
-        pieces = reader.indexed(hf.INDEX, [hf.WEIGHTS], names, reader.safetensors)
+        single = [hf.WEIGHTS] if hf.WEIGHTS in names else _single(names, ".safetensors")
+        pieces = reader.indexed(hf.INDEX, single, names, reader.safetensors)
     else:
-        pickles = [n for n in names if n.endswith((".pt", ".bin")) and n not in _TRAINING_STATE_FILES]
-        pieces = reader.indexed(TORCH_INDEX, pickles, names, reader.pickles)
+        single = [TORCH_WEIGHTS] if TORCH_WEIGHTS in names else _single(names, ".pt", ".bin")
+        pieces = reader.indexed(TORCH_INDEX, single, names, reader.pickles)
     return WeightSet(committed.step, fmt, base, sorted(reader.read), pieces)
 
 

@@ -188,3 +188,65 @@ class HalfWriter:
 
     def release(self) -> None:
         ray.get(self.gate.send.remote())
+
+
+@ray.remote(num_cpus=0)
+class Rollout:
+    """A rollout worker: follows a run's weight versions through its own WeightSubscriber."""
+
+    def __init__(self, run: str, name: str, **options) -> None:
+        self.sub = ckptd.WeightSubscriber(run, name=name, **options)
+        self.held: ckptd.Weights | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def mode(self) -> str:
+        return self.sub.mode
+
+    def wait(self, after: int | None = None, timeout_s: float | None = None) -> int | str:
+        """The next version, or the error's type and message."""
+        try:
+            return self.sub.wait_for_version(after, timeout_s)
+        except ckptd.CheckpointError as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def follow(self, after: int | None, count: int) -> list[int]:
+        """The next ``count`` versions, through the async iterator."""
+        seen = []
+        async for version in self.sub.versions(after):
+            seen.append(version)
+            if len(seen) == count:
+                return seen
+        return seen
+
+    def published_at(self, version: int) -> float | None:
+        return self.sub.published_at(version)
+
+    def load(self, version: int | None = None, serve: bool = True) -> dict[str, torch.Tensor] | str:
+        """Open, read verified, report serving; the tensors (copied), or the error."""
+        try:
+            with self.sub.open(version) as w:
+                sd = {k: v.clone() for k, v in w.state_dict().items()}
+            if serve:
+                self.sub.report_serving(w.version)
+            return sd
+        except ckptd.CheckpointError as e:
+            return f"{type(e).__name__}: {e}"
+
+    def hold(self, version: int) -> bool:
+        """Open a version and keep it open (pinned) without reading it yet."""
+        self.held = self.sub.open(version)
+        return self.held.pinned
+
+    def read_held(self) -> dict[str, torch.Tensor] | str:
+        try:
+            return {k: v.clone() for k, v in self.held.state_dict().items()}
+        except ckptd.CheckpointError as e:
+            return f"{type(e).__name__}: {e}"
+
+    def release_held(self) -> None:
+        self.held.release()
+
+    def report(self, version: int) -> None:
+        self.sub.report_serving(version)

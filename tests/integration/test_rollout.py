@@ -1,0 +1,334 @@
+"""The rollout side: weight subscribers woken by commits, verified loading, read leases against
+retention, served versions in status. Real Ray actors as rollout workers, real files, the S3
+server for the object-store case."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+import ckptd
+
+from .helpers import HalfWriter, Rollout, restart_monitor, status, wait_for, weights
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def publish(coord: ckptd.CheckpointCoordinator, step: int, wait: bool = True) -> dict[str, torch.Tensor]:
+    """A trainer's weight publication: one state-dict unit, ``model.safetensors`` in the step."""
+    tensors = weights(step)
+    coord.save_state_async("model", tensors, step, is_state_dict=True)
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    if wait:
+        coord.wait_committed(step, is_state_dict=True, timeout_s=60)
+    return tensors
+
+
+def same(a: dict, b: dict) -> bool:
+    return isinstance(a, dict) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rollout_worker_is_woken_by_each_commit_and_loads_it_verified(make_monitor, run_name):
+    coord = ckptd.CheckpointCoordinator(make_monitor(), worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    assert ray.get(rollout.mode.remote()) == "monitor"
+    woken = rollout.wait.remote(None, 60)
+    published = publish(coord, 1)
+    assert ray.get(woken) == 1
+    assert ray.get(rollout.published_at.remote(1)) is not None
+    assert same(ray.get(rollout.load.remote(1)), published)
+    # The async iterator: the next version, each time.
+    for step in (2, 3):
+        followed = rollout.follow.remote(step - 1, 1)
+        publish(coord, step)
+        assert ray.get(followed) == [step]
+    coord.close()
+
+
+def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(make_monitor, run_name, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    # Torn: step 1's file is half written.
+    slow = HalfWriter(f"{ckptd.step_dir(root, 1)}/model.safetensors")
+    coord.save_async("model", slow, 1, is_state_dict=True)
+    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
+    assert slow.half_written.wait(30)
+    assert ray.get(rollout.wait.remote(None, 1.0)).startswith("CheckpointTimeoutError")
+    assert "not committed" in ray.get(rollout.load.remote(1))
+    slow.release()
+    assert ray.get(rollout.wait.remote(None, 60)) == 1
+    # Failed: step 2's unit raises.
+    coord.save_async("model", lambda: (_ for _ in ()).throw(OSError("disk full")), 2, is_state_dict=True)
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=60)
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_all()
+    assert ray.get(rollout.wait.remote(1, 1.0)).startswith("CheckpointTimeoutError")
+    assert "not committed" in ray.get(rollout.load.remote(2))
+    # Out of order: 4 commits before 3; versions never go back.
+    publish(coord, 4)
+    assert ray.get(rollout.wait.remote(1, 60)) == 4
+    publish(coord, 3)
+    assert ray.get(rollout.wait.remote(4, 1.0)).startswith("CheckpointTimeoutError")
+    assert status(monitor).trackers.state_dict == 4
+    assert same(ray.get(rollout.load.remote(None)), weights(4))
+    coord.close()
+
+
+def test_a_pinned_step_survives_retention_while_a_slow_reader_reads_it(make_monitor, run_name, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "slow-reader")
+    publish(coord, 1)
+    assert ray.get(rollout.hold.remote(1)) is True
+    for step in (2, 3, 4):
+        publish(coord, step)
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert os.path.isdir(ckptd.step_dir(root, 1)) and not os.path.isdir(ckptd.step_dir(root, 2))
+    assert [p.step for p in status(monitor).pins] == [1]
+    assert status(monitor).subscriber("slow-reader").pins == [1]
+    assert same(ray.get(rollout.read_held.remote()), weights(1))
+    ray.get(rollout.release_held.remote())
+    wait_for(lambda: not status(monitor).pins, what="the lease to be released")
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert not os.path.isdir(ckptd.step_dir(root, 1))
+    coord.close()
+
+
+def test_the_pin_of_a_killed_reader_expires(make_monitor, run_name, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=1.0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "doomed")
+    publish(coord, 1)
+    assert ray.get(rollout.hold.remote(1))
+    for step in (2, 3, 4):
+        publish(coord, step)
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert os.path.isdir(ckptd.step_dir(root, 1))
+    ray.kill(rollout)
+    wait_for(lambda: not status(monitor).pins, timeout_s=20, what="the dead reader's lease to expire")
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert not os.path.isdir(ckptd.step_dir(root, 1))
+    assert not status(monitor).subscriber("doomed").live
+    coord.close()
+
+
+def test_a_subscriber_waiting_across_a_monitor_kill_gets_the_next_version(make_monitor, run_name):
+    monitor = make_monitor()
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    publish(coord, 1)
+    woken = rollout.wait.remote(1, 120)
+    restart_monitor(monitor, how="sigkill")
+    publish(coord, 2)
+    assert ray.get(woken) == 2
+    assert same(ray.get(rollout.load.remote(2)), weights(2))
+    coord.close()
+
+
+def test_a_lease_survives_a_monitor_restart(make_monitor, run_name, tmp_path):
+    """The restarted monitor knows no leases; it deletes nothing committed for one lease period,
+    in which the subscriber's renewal re-grants its lease."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=2.0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    publish(coord, 1)
+    assert ray.get(rollout.hold.remote(1))
+    restart_monitor(monitor)
+    for step in (2, 3, 4):
+        publish(coord, step)
+    wait_for(lambda: [p.step for p in status(monitor).pins] == [1], what="the lease to be re-granted")
+    time.sleep(2.5)  # past the post-restart hold: from now on only the lease keeps step 1
+    publish(coord, 5)
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert os.path.isdir(ckptd.step_dir(root, 1)) and not os.path.isdir(ckptd.step_dir(root, 3))
+    assert same(ray.get(rollout.read_held.remote()), weights(1))
+    coord.close()
+
+
+def test_a_damaged_file_is_refused_naming_it_and_the_model_is_left_alone(make_monitor, run_name, tmp_path):
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="trainer")
+    publish(coord, 1)
+    path = f"{ckptd.step_dir(root, 1)}/model.safetensors"
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x00\x01\x02")
+    sub = ckptd.WeightSubscriber(run_name, name="driver")
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(64, 64))
+    model.b = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ckptd.CorruptCheckpointError, match="model.safetensors: checksum mismatch"):
+        with sub.open(1) as w:
+            w.load_into(model)
+    assert not model.w.any() and not model.b.any()
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ckptd.CorruptCheckpointError, match="model.safetensors: truncated"):
+        with sub.open(1) as w:
+            w.state_dict()
+    sub.close()
+    coord.close()
+
+
+def test_served_lag_in_status_matches_what_the_rollout_reported(make_monitor, run_name):
+    monitor = make_monitor()
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    publish(coord, 1)
+    before = time.time()
+    assert isinstance(ray.get(rollout.load.remote(1)), dict)  # reports serving 1
+    after = time.time()
+    s = status(monitor).subscriber("r0")
+    assert (s.serving, s.lag_steps, s.lag_s) == (1, 0, 0.0) and before <= s.serving_since <= after
+    published_2 = time.time()
+    publish(coord, 2)
+    publish(coord, 3)
+    s = status(monitor).subscriber("r0")
+    t1 = time.time()
+    assert s.serving == 1 and s.lag_steps == 2 and s.live
+    # Counted from step 2's publication, which happened after published_2.
+    assert 0 <= s.lag_s <= t1 - published_2
+    ray.get(rollout.report.remote(3))
+    s = status(monitor).subscriber("r0")
+    assert (s.serving, s.lag_steps, s.lag_s) == (3, 0, 0.0)
+    coord.close()
+
+
+def test_retention_keeps_the_version_a_live_subscriber_serves(make_monitor, run_name, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, keep_served=True)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    rollout = Rollout.remote(run_name, "r0")
+    publish(coord, 1)
+    assert isinstance(ray.get(rollout.load.remote(1)), dict)
+    for step in (2, 3, 4):
+        publish(coord, step)
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert os.path.isdir(ckptd.step_dir(root, 1)) and not os.path.isdir(ckptd.step_dir(root, 2))
+    ray.get(rollout.report.remote(4))
+    publish(coord, 5)
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert not os.path.isdir(ckptd.step_dir(root, 1))
+    coord.close()
+
+
+def test_without_a_monitor_a_subscriber_reads_the_committed_state_of_an_s3_root(make_monitor, s3_root):
+    url, options = s3_root
+    coord = ckptd.CheckpointCoordinator(make_monitor(url, storage_options=options), worker_id="trainer")
+    sub = ckptd.WeightSubscriber("no-such-run", root=url, storage_options=options, poll_interval_s=0.05)
+    assert sub.mode == "storage"
+    with pytest.raises(ckptd.CheckpointTimeoutError):
+        sub.wait_for_version(None, timeout_s=0.2)
+    publish(coord, 1)
+    assert sub.wait_for_version(None, timeout_s=30) == 1
+    with sub.open(1) as w:
+        assert not w.pinned and same(w.state_dict(), weights(1))
+    sub.close()
+    coord.close()
+
+
+def test_a_subscriber_of_the_mirror_reads_it_directly(make_monitor, run_name, s3_root, tmp_path):
+    url, options = s3_root
+    monitor = ckptd.start_monitor(str(tmp_path / "ckpt"), run=run_name, mirror={"url": url, "state_dicts": True},
+                                  mirror_storage_options=options)
+    try:
+        coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+        sub = ckptd.WeightSubscriber(run_name, root=url, storage_options=options, poll_interval_s=0.05)
+        assert sub.mode == "storage"  # the monitor serves the local root, not this one
+        publish(coord, 1)
+        coord.wait_mirrored(1, timeout_s=60)
+        assert sub.wait_for_version(None, timeout_s=30) == 1
+        with sub.open() as w:
+            assert w.version == 1 and same(w.state_dict(), weights(1))
+        sub.close()
+        coord.close()
+    finally:
+        ray.kill(monitor, no_restart=True)
+
+
+def test_a_subscriber_needs_a_monitor_or_a_root(ray_local):
+    with pytest.raises(ckptd.CheckpointError, match="pass root="):
+        ckptd.WeightSubscriber("nobody-runs-this")
+    with pytest.raises(ckptd.CheckpointConfigError, match="kind"):
+        ckptd.WeightSubscriber("nobody", root="/tmp", kind="weights")
+
+
+def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_monitor, run_name, tmp_path):
+    """HF safetensors (one file, and sharded with an index), ckptd shards of 2 ranks, a LoRA adapter,
+    HF's pytorch_model.bin and a plain torch.save: each published as a version, loaded by a
+    subscriber into a fresh model (other seed), which then computes what the trainer computes."""
+    peft = pytest.importorskip("peft")
+    from ckptd.workers import save_hf_model, save_lora_adapter, save_sharded, shard_dim0, snapshot
+    from tests import tiny
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=None)
+    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"rank{r}") for r in range(2)]
+    trainer = tiny.llama(seed=0)
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                  init_lora_weights=False)
+    lora_trainer = peft.get_peft_model(tiny.llama(seed=0), lora_config)
+    sd = snapshot(trainer.state_dict())
+
+    def save(step: int, fn, rank: int = 0) -> None:
+        coords[rank].save_async("weights", fn, step, is_state_dict=True)
+
+    def pickle_file(name: str):
+        def fn(step_dir: str) -> list[str]:
+            os.makedirs(f"{step_dir}/actor", exist_ok=True)
+            torch.save(sd, f"{step_dir}/actor/{name}")
+            return [f"{step_dir}/actor/{name}"]
+        return fn
+
+    formats = {
+        1: ("safetensors", lambda d: save_hf_model(f"{d}/actor", sd, trainer.config)),
+        2: ("safetensors", lambda d: save_hf_model(f"{d}/actor", sd, trainer.config, max_shard_size="20KB")),
+        3: ("sharded", None),
+        4: ("lora", lambda d: save_lora_adapter(f"{d}/actor", snapshot(lora_trainer.state_dict()),
+                                                lora_trainer.peft_config["default"])),
+        5: ("torch", pickle_file("pytorch_model.bin")),
+        6: ("torch", pickle_file("model.pt")),
+    }
+    for step, (_fmt, fn) in formats.items():
+        out = ckptd.step_dir(root, step)
+        if fn is None:
+            for r in range(2):
+                shards = shard_dim0(sd, r, 2)
+                save(step, lambda r=r, shards=shards, out=out: save_sharded(f"{out}/actor", shards, rank=r,
+                                                                             world_size=2), rank=r)
+        else:
+            save(step, lambda fn=fn, out=out: fn(out))
+        coords[0].register(step, is_state_dict=True, state_dict_thread_count=2 if fn is None else 1)
+        coords[0].wait_committed(step, is_state_dict=True, timeout_s=60)
+
+    x = torch.randint(0, 64, (2, 8))
+    sub = ckptd.WeightSubscriber(run_name, name="checker")
+    for step, (fmt, _fn) in formats.items():
+        if fmt == "lora":  # the trainer's base model, with other adapter weights
+            base = tiny.llama(seed=0)
+            torch.manual_seed(step + 10)
+            fresh = peft.get_peft_model(base, lora_config)
+        else:
+            fresh = tiny.llama(seed=step + 10)
+        expected = lora_trainer if fmt == "lora" else trainer
+        with sub.open(step) as w:
+            assert w.format == fmt and w.pinned
+            before = fresh(x).logits
+            w.load_into(fresh)
+        with torch.no_grad():
+            assert torch.equal(fresh(x).logits, expected(x).logits), (step, fmt)
+            assert not torch.equal(before, fresh(x).logits), (step, fmt)
+    sub.close()
+    for coord in coords:
+        coord.close()

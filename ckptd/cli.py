@@ -1,4 +1,4 @@
-"""The ``ckptd`` command line: ``ckptd demo``, ``latest``, ``verify`` and ``retire``."""
+"""The ``ckptd`` command line: ``ckptd demo``, ``status``, ``latest``, ``verify`` and ``retire``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=_positive, default=30)
     demo.add_argument("--ckpt-every", type=_positive, default=5)
     demo.add_argument("--workers", type=_positive, default=2)
+    demo.add_argument("--rl", action="store_true",
+                      help="the RL demo: a trainer publishes weights every step, 2 rollout actors follow them")
+    status = sub.add_parser("status", help="show a live run's monitor: trackers, steps in flight, subscribers "
+                                           "and the versions they serve, read leases")
+    status.add_argument("--run", default="default", help="the run name given to start_monitor")
+    status.add_argument("--namespace", default=None, help="the monitor's Ray namespace")
+    status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
+    status.add_argument("--json", action="store_true", help="print the whole status as JSON")
     latest = sub.add_parser("latest", help="print the latest committed steps under a root")
     latest.add_argument("root")
     verify = sub.add_parser("verify", help="check every file of a committed step against its manifest")
@@ -39,11 +47,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "retire":
         return _retire(args)
+    if args.command == "status":
+        return _status(args)
 
     if args.command == "demo":
         from ckptd.workers.demo import run_demo
 
         root = args.root or f"ckptd-demo/{time.strftime('%Y%m%d-%H%M%S')}"
+        if args.rl:
+            from ckptd.rollout.demo import run_rl_demo
+
+            served = run_rl_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, ranks=args.workers)
+            return 0 if served == args.steps else 1
         latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers)
         return 0 if latest_step is not None or args.steps < args.ckpt_every else 1
     if args.command == "verify":
@@ -81,6 +96,74 @@ def _retire(args: argparse.Namespace) -> int:
         return 1
     print(f"retired steps {newer}; latest checkpoint is now {_latest_of(args.root)}")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import logging
+
+    import ray
+
+    from ckptd.errors import CheckpointError
+    from ckptd.monitor import get_monitor
+
+    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
+             configure_logging=False)
+    try:
+        status = ray.get(get_monitor(args.run, _namespace_of(args.run, args.namespace)).status.remote())
+    except CheckpointError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(status.model_dump_json(indent=1))
+        return 0
+    print(_format_status(status))
+    return 0
+
+
+def _namespace_of(run: str, namespace: str | None) -> str | None:
+    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
+    job that called ray.init() without a namespace runs in an anonymous one)."""
+    if namespace is not None:
+        return namespace
+    import ray
+
+    from ckptd.protocol import actor_name
+
+    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"] == actor_name(run)})
+    if len(found) > 1:
+        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
+    return found[0] if found else None
+
+
+def _format_status(status) -> str:
+    now = time.time()
+    lines = [f"run {status.run}: root {status.root}, attempt {status.attempt}"
+             + (f", FENCED: {status.fenced}" if status.fenced else ""),
+             f"latest checkpoint {status.trackers.checkpoint}, latest state dict {status.trackers.state_dict}"]
+    in_flight = [s for s in status.steps if not s.committed and s.state.value != "failed"]
+    if in_flight:
+        lines.append("in flight: " + ", ".join(f"{s.step} {s.kind.value} ({len(s.finished)}/{s.expected} finished)"
+                                               for s in in_flight))
+    if status.subscribers:
+        lines += ["", f"{'subscriber':<24} {'kind':<10} {'serving':>7} {'since':>9} {'lag steps':>9} "
+                      f"{'lag s':>7} {'live':>4}  pins"]
+        for s in status.subscribers:
+            since = "-" if s.serving_since is None else f"{now - s.serving_since:.0f}s ago"
+            lag_s = "-" if s.lag_s is None else f"{s.lag_s:.2f}"
+            lines.append(f"{s.name[:24]:<24} {s.kind.value:<10} {_dash(s.serving):>7} {since:>9} "
+                         f"{_dash(s.lag_steps):>9} {lag_s:>7} {'yes' if s.live else 'no':>4}  {s.pins or '-'}")
+    if status.pins:
+        lines.append("read leases: " + ", ".join(f"step {p.step} by {p.subscriber} ({p.expires_in_s:.0f}s left)"
+                                                 for p in status.pins))
+    lines += [f"warning: {w}" for w in status.warnings]
+    return "\n".join(lines)
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def _latest_of(root: str) -> int | None:

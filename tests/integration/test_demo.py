@@ -26,3 +26,16 @@ def test_demo_runs_and_leaves_a_readable_checkpoint(tmp_path):
     assert sorted(os.listdir(root / "global_step_9" / "model")) == [
         "shard-00000.safetensors", "shard-00001.safetensors", "sharded_metadata.json"]
     assert ckptd.verify(str(root)).step == 9
+
+
+def test_rl_demo_rollouts_follow_the_trainer_and_serve_its_weights(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptd", "demo", "--rl", "--root", str(tmp_path / "rl"), "--steps", "6",
+         "--ckpt-every", "3"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "commit -> rollout notified:   median" in proc.stdout
+    assert "serving at the end:           {'rollout-0': 6, 'rollout-1': 6}; newest state dict 6" in proc.stdout
+    assert "rollout weights equal the trainer's: yes" in proc.stdout

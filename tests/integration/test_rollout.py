@@ -332,3 +332,30 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
     sub.close()
     for coord in coords:
         coord.close()
+
+
+def test_ckptd_status_shows_what_each_subscriber_serves(make_monitor, run_name):
+    import json
+    import subprocess
+    import sys
+
+    coord = ckptd.CheckpointCoordinator(make_monitor(), worker_id="trainer")
+    rollout = Rollout.remote(run_name, "rollout-7")
+    publish(coord, 1)
+    assert isinstance(ray.get(rollout.load.remote(1)), dict)
+    publish(coord, 2)
+    address = ray.get_runtime_context().gcs_address
+
+    def cli(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "ckptd", "status", "--address", address, "--run", run_name,
+                               *extra], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    shown = json.loads(cli("--json"))
+    sub = next(s for s in shown["subscribers"] if s["name"] == "rollout-7")
+    assert (sub["serving"], sub["lag_steps"], sub["live"]) == (1, 1, True) and sub["lag_s"] >= 0
+    text = cli()
+    row = next(line for line in text.splitlines() if line.startswith("rollout-7"))
+    assert row.split()[1:3] == ["state_dict", "1"] and "latest state dict 2" in text
+    coord.close()

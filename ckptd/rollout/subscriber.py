@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import ray
@@ -203,52 +203,73 @@ class WeightSubscriber:
         Raises:
             CheckpointTimeoutError: none came within ``timeout_s``.
         """
+        waiting = self._waiting(after, timeout_s)
+        result: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                action = waiting.throw(error) if error is not None else waiting.send(result)
+            except StopIteration as done:
+                return done.value
+            result, error = None, None
+            try:
+                if action[0] == "monitor":
+                    result = ray.get(action[1].wait_version.remote(self.kind.value, after, action[2]))
+                elif action[0] == "storage":
+                    result = newest_committed(self._storage, self.kind)
+                elif action[0] == "reattach":
+                    result = ray.is_initialized() and self._reattach()
+                else:
+                    self._stop.wait(action[1])
+            except RayActorError as e:
+                error = e
+
+    async def wait_for_version_async(self, after: int | None = None, timeout_s: float | None = None) -> int:
+        """:meth:`wait_for_version` for async code (an async Ray actor): never blocks the event loop."""
+        waiting = self._waiting(after, timeout_s)
+        result: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                action = waiting.throw(error) if error is not None else waiting.send(result)
+            except StopIteration as done:
+                return done.value
+            result, error = None, None
+            try:
+                if action[0] == "monitor":
+                    result = await action[1].wait_version.remote(self.kind.value, after, action[2])
+                elif action[0] == "storage":
+                    result = await asyncio.to_thread(newest_committed, self._storage, self.kind)
+                elif action[0] == "reattach":
+                    result = ray.is_initialized() and await asyncio.to_thread(self._reattach)
+                else:
+                    await asyncio.sleep(action[1])
+            except RayActorError as e:
+                error = e
+
+    def _waiting(self, after: int | None, timeout_s: float | None) -> Generator[tuple, Any, int]:
+        """The wait loop of both twins, without I/O: it yields what to do next, and is sent the
+        result (or thrown the RayActorError): ``("monitor", handle, seconds)`` long-polls the
+        monitor, ``("storage",)`` reads the newest committed version from the root,
+        ``("reattach",)`` looks for the monitor again, ``("pause", seconds)`` waits."""
         _check_wait(after, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            remaining = _remaining(deadline)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             handle = self._monitor
             if handle is not None:
                 try:
-                    version = self._note(ray.get(handle.wait_version.remote(self.kind.value, after, _slice(remaining))))
+                    version = self._note((yield ("monitor", handle, _slice(remaining))))
                     if version is not None:
                         return version
                 except RayActorError as e:  # gone for good: a restart is retried by Ray itself
                     self._detach(e)
             else:
-                version = newest_committed(self._storage, self.kind)
+                version = yield ("storage",)
                 if version is not None and (after is None or version > after):
                     return version
-                if not (ray.is_initialized() and self._reattach()):
-                    self._stop.wait(min(self._poll_s, remaining) if remaining is not None else self._poll_s)
-            if self._stop.is_set():
-                raise CheckpointError(f"subscriber {self.name} is closed")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CheckpointTimeoutError(
-                    f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s")
-
-    async def wait_for_version_async(self, after: int | None = None, timeout_s: float | None = None) -> int:
-        """:meth:`wait_for_version` for async code (an async Ray actor): never blocks the event loop."""
-        _check_wait(after, timeout_s)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            remaining = _remaining(deadline)
-            handle = self._monitor
-            if handle is not None:
-                try:
-                    answer = await handle.wait_version.remote(
-                        self.kind.value, after, _slice(remaining))
-                    version = self._note(answer)
-                    if version is not None:
-                        return version
-                except RayActorError as e:
-                    self._detach(e)
-            else:
-                version = await asyncio.to_thread(newest_committed, self._storage, self.kind)
-                if version is not None and (after is None or version > after):
-                    return version
-                if not (ray.is_initialized() and await asyncio.to_thread(self._reattach)):
-                    await asyncio.sleep(min(self._poll_s, remaining) if remaining is not None else self._poll_s)
+                if not (yield ("reattach",)):
+                    yield ("pause", self._poll_s if remaining is None else min(self._poll_s, remaining))
             if self._stop.is_set():
                 raise CheckpointError(f"subscriber {self.name} is closed")
             if deadline is not None and time.monotonic() >= deadline:
@@ -350,7 +371,3 @@ def _check_wait(after: int | None, timeout_s: float | None) -> None:
 
 def _slice(remaining: float | None) -> float:
     return _LONG_POLL_S if remaining is None else min(remaining, _LONG_POLL_S)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

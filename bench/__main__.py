@@ -27,6 +27,8 @@ TARGETS = {
     "P4 commit latency p99 (ms)": 100.0,
     "P4 notifications per second": 2000.0,  # a minimum
     "P5 ckptd peak RSS / state": 2.2,
+    "P7 subscriber latency p50 (ms)": 20.0,
+    "P7 ckptd load_into / load_file+load_state_dict": 1.2,
 }
 
 
@@ -66,6 +68,13 @@ def checks(rows: list[Row]) -> dict[str, dict]:
     r = _find(rows, "P5 peak RSS", "ckptd")
     if r:
         add("P5 ckptd peak RSS / state", r.median)
+    r = _find(rows, "P7 version latency", "ckptd subscriber p50")
+    if r:
+        add("P7 subscriber latency p50 (ms)", r.median * 1000)
+    ck = _find(rows, "P7 verified load", "ckptd load_into")
+    st = _find(rows, "P7 verified load", "safetensors load_file + load_state_dict")
+    if ck and st:
+        add("P7 ckptd load_into / load_file+load_state_dict", ck.median / st.median)
     return out
 
 
@@ -85,8 +94,8 @@ def table(rows: list[Row], targets: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6", help="comma-separated scenarios")
-    p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P2 and P5")
+    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7", help="comma-separated scenarios")
+    p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P2, P5 and P7")
     p.add_argument("--reps", type=int, default=5, help="repetitions per method (medians reported)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size")
     p.add_argument("--train-steps", type=int, default=30)
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--units", type=int, default=4, help="P4 units per worker and step")
     p.add_argument("--scale-steps", type=int, default=50, help="P4 steps")
     p.add_argument("--mirror-mib", type=int, default=256, help="P6 step size")
+    p.add_argument("--versions", type=int, default=100, help="P7 weight versions committed")
     p.add_argument("--dir", default=None, help="scratch directory (default: the system temp dir)")
     p.add_argument("--json", default="bench/results.json", help="where to write the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and 1 repetition")
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mib, args.reps, args.model_mib = 4, 1, 4
         args.train_steps, args.ckpt_every, args.width = 4, 2, 256
         args.workers, args.units, args.scale_steps = 8, 2, 3
-        args.mirror_mib = 4
+        args.mirror_mib, args.versions = 4, 5
     else:
         args.width = 2048
     only = {s.strip().upper() for s in args.only.split(",")}
@@ -139,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         from .mirror import p6_mirror
 
         rows += p6_mirror(args.mirror_mib, max(1, min(args.reps, 3)), args.dir)
+    if "P7" in only:
+        from .rollout import p7_rollout
+
+        rows += p7_rollout(args.dir, args.versions, args.size_mib, args.reps)
     targets = checks(rows)
     print(table(rows, targets))
     result = {

@@ -18,10 +18,14 @@ def test_bench_smoke_reports_every_scenario(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     scenarios = {r["scenario"] for r in result["rows"]}
-    assert scenarios == {"P1 blocked", "P2 durable", "P3 training", "P4 monitor", "P5 peak RSS", "P6 mirror"}
+    assert scenarios == {"P1 blocked", "P2 durable", "P3 training", "P4 monitor", "P5 peak RSS", "P6 mirror",
+                         "P7 version latency", "P7 verified load"}
     assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
     assert set(result["targets"]) == {
         "P1 eager blocked / memcpy", "P1 fenced blocked / memcpy", "P2 ckptd durable / safetensors+fsync",
         "P3 ckptd slowdown %", "P4 commit latency p50 (ms)", "P4 commit latency p99 (ms)",
-        "P4 notifications per second", "P5 ckptd peak RSS / state"}
+        "P4 notifications per second", "P5 ckptd peak RSS / state", "P7 subscriber latency p50 (ms)",
+        "P7 ckptd load_into / load_file+load_state_dict"}
     assert "| P1 blocked | ckptd fenced staging |" in proc.stdout
+    assert {r["method"] for r in result["rows"] if r["scenario"] == "P7 version latency"} == {
+        "ckptd subscriber p50", "ckptd subscriber p99", "tracker polling 1 s p50", "tracker polling 1 s p99"}

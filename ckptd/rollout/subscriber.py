@@ -39,6 +39,7 @@ log = logging.getLogger("ckptd.rollout")
 
 _LONG_POLL_S = 30.0  # one wait_version call; the loop around it honours close() and timeouts
 _CALL_TIMEOUT_S = 60.0
+_CLOSE_CHECK_S = 0.25  # how soon a wait notices close()
 
 
 class WeightSubscriber:
@@ -214,7 +215,12 @@ class WeightSubscriber:
             result, error = None, None
             try:
                 if action[0] == "monitor":
-                    result = ray.get(action[1].wait_version.remote(self.kind.value, after, action[2]))
+                    ref = action[1].wait_version.remote(self.kind.value, after, action[2])
+                    while not ray.wait([ref], timeout=_CLOSE_CHECK_S)[0]:
+                        if self._stop.is_set():
+                            ray.cancel(ref)
+                            raise CheckpointError(f"subscriber {self.name} was closed while it waited")
+                    result = ray.get(ref)
                 elif action[0] == "storage":
                     result = newest_committed(self._storage, self.kind)
                 elif action[0] == "reattach":
@@ -237,7 +243,13 @@ class WeightSubscriber:
             result, error = None, None
             try:
                 if action[0] == "monitor":
-                    result = await action[1].wait_version.remote(self.kind.value, after, action[2])
+                    ref = action[1].wait_version.remote(self.kind.value, after, action[2])
+                    answer = asyncio.wrap_future(ref.future())
+                    while not (await asyncio.wait({answer}, timeout=_CLOSE_CHECK_S))[0]:
+                        if self._stop.is_set():
+                            answer.cancel()
+                            raise CheckpointError(f"subscriber {self.name} was closed while it waited")
+                    result = answer.result()
                 elif action[0] == "storage":
                     result = await asyncio.to_thread(newest_committed, self._storage, self.kind)
                 elif action[0] == "reattach":

@@ -359,3 +359,24 @@ def test_ckptd_status_shows_what_each_subscriber_serves(make_monitor, run_name):
     row = next(line for line in text.splitlines() if line.startswith("rollout-7"))
     assert row.split()[1:3] == ["state_dict", "1"] and "latest state dict 2" in text
     coord.close()
+
+
+def test_close_wakes_a_subscriber_that_is_waiting(make_monitor, run_name):
+    import threading
+
+    make_monitor()
+    sub = ckptd.WeightSubscriber(run_name, name="closing")
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(_error_of(sub.wait_for_version, None, 120)))
+    waiter.start()
+    wait_for(lambda: status(ckptd.get_monitor(run_name)).subscriber("closing") is not None, what="the subscriber")
+    sub.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and "closed while it waited" in outcome[0]
+
+
+def _error_of(fn, *args) -> str:
+    try:
+        return repr(fn(*args))
+    except ckptd.CheckpointError as e:
+        return str(e)

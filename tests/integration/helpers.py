@@ -194,9 +194,24 @@ class HalfWriter:
 class Rollout:
     """A rollout worker: follows a run's weight versions through its own WeightSubscriber."""
 
-    def __init__(self, run: str, name: str, **options) -> None:
-        self.sub = ckptd.WeightSubscriber(run, name=name, **options)
+    def __init__(self, run: str | None = None, name: str | None = None, **options) -> None:
+        self.sub: ckptd.WeightSubscriber | None = None
         self.held: ckptd.Weights | None = None
+        if run is not None:
+            self.subscribe(run, name, **options)
+
+    def subscribe(self, run: str, name: str, **options) -> None:
+        """Follow ``run`` (an actor is reused across tests: starting one costs seconds)."""
+        self.reset()
+        self.sub = ckptd.WeightSubscriber(run, name=name, **options)
+
+    def reset(self) -> None:
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
 
     def pid(self) -> int:
         return os.getpid()

@@ -18,6 +18,34 @@ from .helpers import HalfWriter, Rollout, restart_monitor, status, wait_for, wei
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+@pytest.fixture(scope="module")
+def idle_rollouts(ray_local):
+    idle: list = []
+    yield idle
+    for actor in idle:
+        ray.kill(actor)
+
+
+@pytest.fixture
+def rollouts(idle_rollouts):
+    """Start a rollout worker following a run (reusing an idle actor: a new one costs seconds)."""
+    used = []
+
+    def make(run: str, name: str, **options):
+        actor = idle_rollouts.pop() if idle_rollouts else Rollout.remote()
+        ray.get(actor.subscribe.remote(run, name, **options))
+        used.append(actor)
+        return actor
+
+    yield make
+    for actor in used:
+        try:
+            ray.get(actor.reset.remote(), timeout=30)
+            idle_rollouts.append(actor)
+        except ray.exceptions.RayActorError:  # the test killed it
+            pass
+
+
 def publish(coord: ckptd.CheckpointCoordinator, step: int, wait: bool = True) -> dict[str, torch.Tensor]:
     """A trainer's weight publication: one state-dict unit, ``model.safetensors`` in the step."""
     tensors = weights(step)
@@ -32,9 +60,9 @@ def same(a: dict, b: dict) -> bool:
     return isinstance(a, dict) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_rollout_worker_is_woken_by_each_commit_and_loads_it_verified(make_monitor, run_name):
+def test_a_rollout_worker_is_woken_by_each_commit_and_loads_it_verified(rollouts, make_monitor, run_name):
     coord = ckptd.CheckpointCoordinator(make_monitor(), worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     assert ray.get(rollout.mode.remote()) == "monitor"
     woken = rollout.wait.remote(None, 60)
     published = publish(coord, 1)
@@ -49,11 +77,11 @@ def test_a_rollout_worker_is_woken_by_each_commit_and_loads_it_verified(make_mon
     coord.close()
 
 
-def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(make_monitor, run_name, tmp_path):
+def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(rollouts, make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     # Torn: step 1's file is half written.
     slow = HalfWriter(f"{ckptd.step_dir(root, 1)}/model.safetensors")
     coord.save_async("model", slow, 1, is_state_dict=True)
@@ -82,11 +110,11 @@ def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(make_monitor, ru
     coord.close()
 
 
-def test_a_pinned_step_survives_retention_while_a_slow_reader_reads_it(make_monitor, run_name, tmp_path):
+def test_a_pinned_step_survives_retention_while_a_slow_reader_reads_it(rollouts, make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "slow-reader")
+    rollout = rollouts(run_name, "slow-reader")
     publish(coord, 1)
     assert ray.get(rollout.hold.remote(1)) is True
     for step in (2, 3, 4):
@@ -103,11 +131,11 @@ def test_a_pinned_step_survives_retention_while_a_slow_reader_reads_it(make_moni
     coord.close()
 
 
-def test_the_pin_of_a_killed_reader_expires(make_monitor, run_name, tmp_path):
+def test_the_pin_of_a_killed_reader_expires(rollouts, make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=1.0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "doomed")
+    rollout = rollouts(run_name, "doomed")
     publish(coord, 1)
     assert ray.get(rollout.hold.remote(1))
     for step in (2, 3, 4):
@@ -122,10 +150,10 @@ def test_the_pin_of_a_killed_reader_expires(make_monitor, run_name, tmp_path):
     coord.close()
 
 
-def test_a_subscriber_waiting_across_a_monitor_kill_gets_the_next_version(make_monitor, run_name):
+def test_a_subscriber_waiting_across_a_monitor_kill_gets_the_next_version(rollouts, make_monitor, run_name):
     monitor = make_monitor()
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     publish(coord, 1)
     woken = rollout.wait.remote(1, 120)
     restart_monitor(monitor, how="sigkill")
@@ -135,13 +163,13 @@ def test_a_subscriber_waiting_across_a_monitor_kill_gets_the_next_version(make_m
     coord.close()
 
 
-def test_a_lease_survives_a_monitor_restart(make_monitor, run_name, tmp_path):
+def test_a_lease_survives_a_monitor_restart(rollouts, make_monitor, run_name, tmp_path):
     """The restarted monitor knows no leases; it deletes nothing committed for one lease period,
     in which the subscriber's renewal re-grants its lease."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=2.0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     publish(coord, 1)
     assert ray.get(rollout.hold.remote(1))
     restart_monitor(monitor)
@@ -181,10 +209,10 @@ def test_a_damaged_file_is_refused_naming_it_and_the_model_is_left_alone(make_mo
     coord.close()
 
 
-def test_served_lag_in_status_matches_what_the_rollout_reported(make_monitor, run_name):
+def test_served_lag_in_status_matches_what_the_rollout_reported(rollouts, make_monitor, run_name):
     monitor = make_monitor()
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     publish(coord, 1)
     before = time.time()
     assert isinstance(ray.get(rollout.load.remote(1)), dict)  # reports serving 1
@@ -205,11 +233,11 @@ def test_served_lag_in_status_matches_what_the_rollout_reported(make_monitor, ru
     coord.close()
 
 
-def test_retention_keeps_the_version_a_live_subscriber_serves(make_monitor, run_name, tmp_path):
+def test_retention_keeps_the_version_a_live_subscriber_serves(rollouts, make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, keep_served=True)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
-    rollout = Rollout.remote(run_name, "r0")
+    rollout = rollouts(run_name, "r0")
     publish(coord, 1)
     assert isinstance(ray.get(rollout.load.remote(1)), dict)
     for step in (2, 3, 4):
@@ -334,13 +362,13 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
         coord.close()
 
 
-def test_ckptd_status_shows_what_each_subscriber_serves(make_monitor, run_name):
+def test_ckptd_status_shows_what_each_subscriber_serves(rollouts, make_monitor, run_name):
     import json
     import subprocess
     import sys
 
     coord = ckptd.CheckpointCoordinator(make_monitor(), worker_id="trainer")
-    rollout = Rollout.remote(run_name, "rollout-7")
+    rollout = rollouts(run_name, "rollout-7")
     publish(coord, 1)
     assert isinstance(ray.get(rollout.load.remote(1)), dict)
     publish(coord, 2)

@@ -102,14 +102,13 @@ class CheckpointMonitor(CommitFlow, Publication):
             mark_started(self._storage, attempt)
         self._slots = SlotLeases(self._opts.save_strategy, self._opts.slot_lease_s, restarted)
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
-        self._readers = ReaderRegistry(self._opts.read_lease_s, restarted, time.time())
-        self._hold_pending = restarted  # retention runs again once the post-restart hold ends
+        self._readers = ReaderRegistry(self._opts.read_lease_s)
         self._version_changed = asyncio.Event()
         # Runs before the actor serves any request, so blocking I/O is fine here.
         rebuilt = rebuild(self._storage, self._template, self._attempt, self._ledger,
                           None if self._fenced else self._committer, self._trackers)
         self._committed_at_start = rebuilt.committed_at_start
-        self._seed_versions()
+        self._restore_readers()  # before retention: leases recorded by earlier monitors hold their steps
         self._failures_recorded |= rebuilt.failures
         self._failures_durable |= rebuilt.failures
         for step in rebuilt.settled:

@@ -15,27 +15,74 @@ import logging
 import time
 
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, find_step_dir, is_committed
+from ckptd.layout import LEDGER_DIR, MANIFESTS, is_committed, scan_steps
+from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.monitor")
 
+LEASES = f"{LEDGER_DIR}/leases"
+_SEEDED_VERSIONS = 100  # publication times read back from manifests at start-up
+
+
+def write_lease(storage: Storage, lease_id: str, sub, step: int) -> None:
+    record = {"lease": lease_id, "subscriber": sub.sub_id, "name": sub.name, "kind": sub.kind.value, "step": step}
+    # Not fsynced: losing one to a power cut of the storage server loses a lease its reader, on
+    # that storage, could not have kept reading anyway.
+    storage.write_atomic(storage.join(LEASES, f"{lease_id}.json"), json.dumps(record).encode(), durable=False)
+
+
+def remove_lease(storage: Storage, lease_id: str) -> None:
+    storage.rm(storage.join(LEASES, f"{lease_id}.json"))
+
+
+def read_leases(storage: Storage) -> list[dict]:
+    """The lease records under the root (blocking I/O: for the monitor's constructor)."""
+    out = []
+    for name in storage.listdir(storage.join(LEASES)):
+        if name.endswith(".json"):
+            text = storage.read_text_or_none(storage.join(LEASES, name))
+            try:
+                out.append(json.loads(text)) if text else None
+            except json.JSONDecodeError:
+                log.warning("ignoring an unreadable lease record %s", name)
+    return out
+
 
 class Publication:
-    def _seed_versions(self) -> None:
-        """The current versions, with the time their manifests were committed (blocking I/O: for
-        the constructor)."""
-        for kind, step in self._trackers.items():
-            if step is None:
-                continue
-            at = time.time()
+    def _restore_readers(self) -> None:
+        """Leases recorded by earlier monitors, and when the versions still on the root were
+        published (from their manifests). Blocking I/O: for the constructor, before retention."""
+        now = time.time()
+        for rec in read_leases(self._storage):
             try:
-                name = find_step_dir(self._storage, step, self._template)
-                text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind])) if name else None
+                self._readers.restore(rec["lease"], rec["subscriber"], rec["name"], Kind(rec["kind"]), int(rec["step"]),
+                                      now)
+            except (KeyError, ValueError, TypeError) as e:
+                log.warning("ignoring a malformed lease record %s: %s", rec, e)
+        entries = scan_steps(self._storage, self._template)
+        for kind in Kind:
+            newest = self._trackers[kind]
+            counted = sorted(s for s, e in entries.items()
+                             if e.committed and (kind is Kind.STATE_DICT or kind in e.kinds)
+                             and (newest is None or s <= newest))[-_SEEDED_VERSIONS:]
+            for step in counted:
+                at = self._committed_at(entries[step].name, entries[step].kinds)
+                if at is not None:
+                    self._readers.published(kind, step, at)
+            if counted:
+                self._readers.known_from(kind, counted[0])
+
+    def _committed_at(self, name: str, kinds) -> float | None:
+        """When the step's first manifest was committed (only the lag figures of status depend on it)."""
+        times = []
+        for kind in kinds:
+            try:
+                text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
                 if text is not None:
-                    at = float(json.loads(text)["committed_at"])
-            except Exception as e:  # only the lag figures of status() depend on it
-                log.warning("could not read when step %d was committed: %s", step, e)
-            self._readers.published(kind, step, at)
+                    times.append(float(json.loads(text)["committed_at"]))
+            except Exception as e:
+                log.warning("could not read when %s was committed: %s", name, e)
+        return min(times, default=None)
 
     def _published(self, kind: Kind, step: int) -> None:
         """The tracker of ``kind`` moved to ``step``: wake the subscribers waiting for a version."""
@@ -69,26 +116,13 @@ class Publication:
         return self._readers.heartbeat(reader["id"], reader["name"], Kind(reader["kind"]), reader["where"],
                                        time.time())
 
-    async def _pin_checked(self, sub, lease_id: str, step: int) -> str | None:
-        """Grant a lease, then confirm on storage that the step is still there; the reason if not."""
-        why = self._readers.pin(sub, lease_id, step, time.time())
-        if why is None and not await self._in_thread(is_committed, self._storage, step, sub.kind):
-            self._readers.release(lease_id)
-            why = (f"step {step} is not committed as a {sub.kind.value} under {self._storage.url} (retention "
-                   "deleted it, or it never committed)")
-        return why
-
     async def reader_heartbeat(self, reader: dict, leases: list, serving: list | None) -> dict:
-        """A subscriber is alive: renew its leases (re-granting those a restarted monitor does not
-        know) and restate what it serves. Returns ``{"lease_s": float, "lost": [lease ids]}``."""
+        """A subscriber is alive: renew its leases and restate what it serves. Returns
+        ``{"lease_s": float, "lost": [lease ids]}``: the leases that were released or expired."""
         sub = self._reader(reader)
-        known = {lease.lease_id for lease in self._readers.leases()}
         lost = []
         for lease_id, step in leases:
-            if lease_id in known:
-                why = self._readers.pin(sub, lease_id, step, time.time())
-            else:
-                why = await self._pin_checked(sub, lease_id, step)
+            why = self._readers.renew(sub, lease_id, step, time.time())
             if why is not None:
                 log.warning("subscriber %s lost its lease on step %d: %s", sub.name, step, why)
                 lost.append(lease_id)
@@ -98,28 +132,56 @@ class Publication:
 
     async def pin(self, reader: dict, lease_id: str, step: int) -> dict:
         """Take a read lease on ``step``: retention keeps it until the lease is released or expires.
-        Returns ``{"error": None}`` or ``{"error": why}``."""
-        return {"error": await self._pin_checked(self._reader(reader), lease_id, step)}
+        Returns ``{"error": None}`` or ``{"error": why}``.
+
+        The lease is granted in memory first (retention's claim on the step is checked under the
+        same lock), recorded under the root, and only then is storage asked whether the step is
+        still committed: a step retention deleted just before is refused, never handed out.
+        """
+        sub = self._reader(reader)
+        why = self._readers.pin(sub, lease_id, step, time.time())
+        if why is not None:
+            return {"error": why}
+        try:
+            await self._in_thread(write_lease, self._storage, lease_id, sub, step)
+            committed = await self._in_thread(is_committed, self._storage, step, sub.kind)
+        except Exception as e:
+            await self._end_lease(lease_id)
+            return {"error": f"could not record the lease on step {step}: {type(e).__name__}: {e}"}
+        if not committed:
+            await self._end_lease(lease_id)
+            return {"error": f"step {step} is not committed as a {sub.kind.value} under {self._storage.url} "
+                             "(retention deleted it, or it never committed)"}
+        return {"error": None}
 
     async def release(self, lease_id: str) -> None:
-        self._readers.release(lease_id)
+        await self._end_lease(lease_id)
         self._retention.schedule()  # the step may be past the policy now
+
+    async def _end_lease(self, lease_id: str) -> None:
+        self._readers.release(lease_id)
+        try:
+            await self._in_thread(remove_lease, self._storage, lease_id)
+        except Exception as e:  # best effort: a leftover record only restores a lease that then expires
+            log.warning("could not remove the record of lease %s: %s", lease_id, e)
+
+    async def reader_closed(self, reader: dict) -> None:
+        """The subscriber closed (after releasing its leases): it is no longer live."""
+        self._readers.gone(reader["id"])
 
     async def report_serving(self, reader: dict, version: int, since: float) -> None:
         """The subscriber serves ``version`` (since ``since``)."""
         self._readers.report_serving(self._reader(reader), int(version), float(since))
 
     def _expire_readers(self, now: float) -> None:
-        """Housekeeping: drop leases nobody renews; run retention when they or the post-restart
-        hold no longer keep steps."""
+        """Housekeeping: drop leases nobody renews (and their records); run retention, since they
+        no longer keep their steps."""
         expired = self._readers.expire(now)
         for lease in expired:
             log.warning("read lease %s on step %d expired: its subscriber stopped renewing", lease.lease_id,
                         lease.step)
-        held = self._hold_pending and not self._readers.holding(now)
-        if held:
-            self._hold_pending = False
-        if expired or held:
+            self._io.submit(_remove_quietly, self._storage, lease.lease_id)
+        if expired:
             self._retention.schedule()
 
     def _reader_protected(self) -> set[int]:
@@ -127,3 +189,10 @@ class Publication:
         if self._opts.keep_served:
             steps |= self._readers.served_steps(time.time())
         return steps
+
+
+def _remove_quietly(storage: Storage, lease_id: str) -> None:
+    try:
+        remove_lease(storage, lease_id)
+    except Exception as e:  # best effort: a leftover record only restores a lease that then expires
+        log.warning("could not remove the record of lease %s: %s", lease_id, e)

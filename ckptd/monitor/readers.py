@@ -8,8 +8,10 @@ Invariants:
   storage after it registered a pin, so a pin on a step that is already gone is refused too.
 * A lease that is not renewed for ``lease_s`` expires (its holder died); a released lease is never
   brought back by a late renewal.
-* After a monitor restart nothing committed is deleted for one lease period, while subscribers
-  renew (and so re-announce) the leases they hold.
+* Leases outlive the monitor: each is recorded under the root (``.ckptd/leases/``) before it is
+  granted and removed when it is released or expires, and a monitor that starts (restarted by
+  Ray, or a new job on the root) restores them before retention can run. A renewal never grants
+  a lease by itself, so a lease released before a restart stays released.
 """
 
 from __future__ import annotations
@@ -50,28 +52,36 @@ class ReaderRegistry:
 
     Args:
         lease_s: How long a lease (and a subscriber's liveness) lasts without renewal.
-        restarted: The monitor restarted within its attempt: hold deletions for one lease period.
-        now: The current time.
     """
 
-    def __init__(self, lease_s: float, restarted: bool, now: float) -> None:
+    def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
-        self.hold_until = now + lease_s if restarted else 0.0
         self._lock = threading.Lock()  # pins (event loop) against deletions (retention's thread)
         self._leases: dict[str, Lease] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._deleting: set[int] = set()
         self._subs: dict[str, Subscriber] = {}
         self._published: dict[Kind, list[tuple[int, float]]] = {k: [] for k in Kind}
+        self._known_from: dict[Kind, int] = {}  # publication times are known from this version on
 
     # -- subscribers -----------------------------------------------------------------------------
 
     def heartbeat(self, sub_id: str, name: str, kind: Kind, where: str, now: float) -> Subscriber:
-        sub = self._subs.get(sub_id)
-        if sub is None:
-            sub = self._subs[sub_id] = Subscriber(sub_id, name, kind, where, now)
+        sub = self._known(sub_id, name, kind, where)
         sub.last_seen = now
         return sub
+
+    def _known(self, sub_id: str, name: str, kind: Kind, where: str) -> Subscriber:
+        sub = self._subs.get(sub_id)
+        if sub is None:
+            sub = self._subs[sub_id] = Subscriber(sub_id, name, kind, where, last_seen=0.0)
+        return sub
+
+    def gone(self, sub_id: str) -> None:
+        """The subscriber closed: it is no longer live (its leases were released already)."""
+        sub = self._subs.get(sub_id)
+        if sub is not None:
+            sub.last_seen = 0.0
 
     def report_serving(self, sub: Subscriber, version: int, since: float) -> None:
         if sub.serving != version:
@@ -100,14 +110,37 @@ class ReaderRegistry:
             sub.leases.add(lease_id)
         return None
 
+    def restore(self, lease_id: str, sub_id: str, name: str, kind: Kind, step: int, now: float) -> None:
+        """A lease recorded under the root by an earlier monitor: live for one more lease period,
+        in which its holder renews it (or it expires)."""
+        sub = self._known(sub_id, name, kind, "")
+        with self._lock:
+            self._leases[lease_id] = Lease(lease_id, sub_id, step, now + self.lease_s)
+        sub.leases.add(lease_id)
+
+    def renew(self, sub: Subscriber, lease_id: str, step: int, now: float) -> str | None:
+        """Extend a lease ``sub`` holds; the reason it is gone, or None. A renewal never grants a
+        lease: subscribers renew only leases they were granted, so one this registry does not know
+        (nor restored from its record) was released or expired."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return f"lease {lease_id} on step {step} was released or expired"
+            lease.expires = now + self.lease_s
+        return None
+
     def release(self, lease_id: str) -> None:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
-            self._released[lease_id] = None
-            while len(self._released) > _RELEASED_HISTORY:
-                self._released.popitem(last=False)
+            self._ended(lease_id)
         if lease is not None and lease.holder in self._subs:
             self._subs[lease.holder].leases.discard(lease_id)
+
+    def _ended(self, lease_id: str) -> None:
+        """Remember a released or expired lease, so that no renewal revives it (under the lock)."""
+        self._released[lease_id] = None
+        while len(self._released) > _RELEASED_HISTORY:
+            self._released.popitem(last=False)
 
     def expire(self, now: float) -> list[Lease]:
         """Drop leases and subscribers whose holders stopped renewing; the leases dropped."""
@@ -115,6 +148,7 @@ class ReaderRegistry:
             gone = [lease for lease in self._leases.values() if lease.expires < now]
             for lease in gone:
                 del self._leases[lease.lease_id]
+                self._ended(lease.lease_id)
         for lease in gone:
             sub = self._subs.get(lease.holder)
             if sub is not None:
@@ -145,10 +179,6 @@ class ReaderRegistry:
         with self._lock:
             self._deleting.discard(step)
 
-    def holding(self, now: float) -> bool:
-        """Deletions are held: the monitor restarted less than a lease period ago."""
-        return now < self.hold_until
-
     # -- versions --------------------------------------------------------------------------------
 
     def published(self, kind: Kind, step: int, at: float) -> None:
@@ -156,6 +186,11 @@ class ReaderRegistry:
         history = self._published[kind]
         history.append((step, at))
         del history[:-_PUBLISHED_HISTORY]
+
+    def known_from(self, kind: Kind, step: int) -> None:
+        """Publication times of ``kind`` are known for ``step`` and every later version (those of
+        older ones were lost with an earlier monitor)."""
+        self._known_from[kind] = step
 
     def published_at(self, kind: Kind, step: int) -> float | None:
         return next((t for s, t in reversed(self._published[kind]) if s == step), None)
@@ -171,4 +206,5 @@ class ReaderRegistry:
         if sub.serving >= newest:
             return 0, 0.0
         newer = [t for s, t in self._published[sub.kind] if s > sub.serving]
-        return newest - sub.serving, (now - min(newer)) if newer else None
+        known = sub.serving >= self._known_from.get(sub.kind, 0)
+        return newest - sub.serving, (now - min(newer)) if newer and known else None

@@ -204,7 +204,7 @@ class RetentionRunner:
         self._protected = protected
         self._cleanup = cleanup
         self._mark_deleted = mark_deleted
-        self._readers = readers  # a ReaderRegistry: leases that keep steps, and the hold after a restart
+        self._readers = readers  # a ReaderRegistry: its leases keep steps until the last moment
         self._running = False
         self._again = False
         self.idle = asyncio.Event()
@@ -228,9 +228,8 @@ class RetentionRunner:
                 in_flight = self._ledger.in_flight_steps()
                 protected = self._protected() | in_flight
                 failed = self._ledger.failed_steps() - in_flight
-                hold = self._readers is not None and self._readers.holding(time.time())
                 try:
-                    result = await self._in_thread(self._pass, protected, failed, hold)
+                    result = await self._in_thread(self._pass, protected, failed)
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self.errors = result.errors
                 except Exception as e:  # best-effort: the next commit runs another pass
@@ -243,11 +242,9 @@ class RetentionRunner:
             self._running = False
             self.idle.set()
 
-    def _pass(self, protected: set[int], failed: set[int], hold: bool = False) -> PassResult:
+    def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
         empty_trash(self._storage)
         entries = scan_steps(self._storage, self._template)
-        if hold:  # readers have not yet re-announced their leases after a restart
-            protected = protected | {s for s, e in entries.items() if e.committed}
         plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A

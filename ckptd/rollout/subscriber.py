@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
+from functools import partial
 from typing import Any
 
 import ray
@@ -153,7 +154,9 @@ class WeightSubscriber:
                 log.warning("subscriber %s lost its read lease on step %d", self.name, step)
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self._lease_s / 3 if self._monitor is not None else self._poll_s):
+        # Every third of the lease, also while the monitor is away: leases must be renewed as soon
+        # as a monitor is back (a restarted one, or a new job's), within one lease period.
+        while not self._stop.wait(self._lease_s / 3):
             handle = self._monitor
             if handle is None:
                 if ray.is_initialized():
@@ -165,7 +168,9 @@ class WeightSubscriber:
             try:
                 answer = ray.get(handle.reader_heartbeat.remote(self._info, leases, serving), timeout=self._lease_s)
                 self._lost(answer["lost"])
-            except (RayActorError, GetTimeoutError) as e:
+            except GetTimeoutError:  # a restarting monitor answers late: keep renewing, do not detach
+                log.info("subscriber %s: the monitor is slow to answer (restarting?)", self.name)
+            except RayActorError as e:
                 self._detach(e)
             except Exception:  # keep renewing whatever one round hit
                 log.exception("subscriber %s: renewing its leases failed", self.name)
@@ -217,9 +222,7 @@ class WeightSubscriber:
                 if action[0] == "monitor":
                     ref = action[1].wait_version.remote(self.kind.value, after, action[2])
                     while not ray.wait([ref], timeout=_CLOSE_CHECK_S)[0]:
-                        if self._stop.is_set():
-                            ray.cancel(ref)
-                            raise CheckpointError(f"subscriber {self.name} was closed while it waited")
+                        self._check_waiting(action[3], partial(ray.cancel, ref), after, timeout_s)
                     result = ray.get(ref)
                 elif action[0] == "storage":
                     result = newest_committed(self._storage, self.kind)
@@ -246,9 +249,7 @@ class WeightSubscriber:
                     ref = action[1].wait_version.remote(self.kind.value, after, action[2])
                     answer = asyncio.wrap_future(ref.future())
                     while not (await asyncio.wait({answer}, timeout=_CLOSE_CHECK_S))[0]:
-                        if self._stop.is_set():
-                            answer.cancel()
-                            raise CheckpointError(f"subscriber {self.name} was closed while it waited")
+                        self._check_waiting(action[3], answer.cancel, after, timeout_s)
                     result = answer.result()
                 elif action[0] == "storage":
                     result = await asyncio.to_thread(newest_committed, self._storage, self.kind)
@@ -259,10 +260,22 @@ class WeightSubscriber:
             except RayActorError as e:
                 error = e
 
+    def _check_waiting(self, deadline: float | None, cancel, after: int | None, timeout_s: float | None) -> None:
+        """While a long poll is out: stop at close(), and at the deadline even if the monitor is
+        restarting (Ray would hold the call until it is back)."""
+        if self._stop.is_set():
+            cancel()
+            raise CheckpointError(f"subscriber {self.name} was closed while it waited")
+        if deadline is not None and time.monotonic() > deadline + _CLOSE_CHECK_S:
+            cancel()
+            raise CheckpointTimeoutError(
+                f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s "
+                "(the monitor did not answer: it may be restarting)")
+
     def _waiting(self, after: int | None, timeout_s: float | None) -> Generator[tuple, Any, int]:
         """The wait loop of both twins, without I/O: it yields what to do next, and is sent the
-        result (or thrown the RayActorError): ``("monitor", handle, seconds)`` long-polls the
-        monitor, ``("storage",)`` reads the newest committed version from the root,
+        result (or thrown the RayActorError): ``("monitor", handle, seconds, deadline)`` long-polls
+        the monitor, ``("storage",)`` reads the newest committed version from the root,
         ``("reattach",)`` looks for the monitor again, ``("pause", seconds)`` waits."""
         _check_wait(after, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -271,7 +284,7 @@ class WeightSubscriber:
             handle = self._monitor
             if handle is not None:
                 try:
-                    version = self._note((yield ("monitor", handle, _slice(remaining))))
+                    version = self._note((yield ("monitor", handle, _slice(remaining), deadline)))
                     if version is not None:
                         return version
                 except RayActorError as e:  # gone for good: a restart is retried by Ray itself
@@ -321,17 +334,16 @@ class WeightSubscriber:
         handle = self._monitor
         if handle is not None:
             lease_id = new_id()
-            with self._lock:
-                self._leases[lease_id] = version  # before the call: renewals carry it from now on
             try:
                 answer = ray.get(handle.pin.remote(self._info, lease_id, version), timeout=_CALL_TIMEOUT_S)
             except (RayActorError, GetTimeoutError) as e:  # read without a lease, as with no monitor
                 self._detach(e)
-                self._drop(lease_id)
                 lease_id, answer = None, {"error": None}
             if answer["error"] is not None:
-                self._drop(lease_id)
                 raise CheckpointError(answer["error"])
+            if lease_id is not None:
+                with self._lock:
+                    self._leases[lease_id] = version  # granted: renewals carry it from now on
         return Weights(self, version, lease_id, model_dir if model_dir is not None else self._model_dir)
 
     def _drop(self, lease_id: str | None) -> None:
@@ -360,12 +372,19 @@ class WeightSubscriber:
                 self._detach(e)
 
     def close(self) -> None:
-        """Stop renewing, and release every lease still held."""
+        """Stop renewing, release every lease still held, and tell the monitor (no longer live)."""
         self._stop.set()
         with self._lock:
             leases = list(self._leases)
         for lease_id in leases:
             self._release(lease_id)
+        handle = self._monitor
+        if handle is not None:
+            handle.reader_closed.remote(self._info)  # after the releases: calls run in order
+
+    def _holds(self, lease_id: str) -> bool:
+        with self._lock:
+            return lease_id in self._leases
 
     def __enter__(self) -> WeightSubscriber:
         return self

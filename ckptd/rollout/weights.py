@@ -42,7 +42,8 @@ class Weights:
 
     @property
     def pinned(self) -> bool:
-        return self._lease_id is not None and not self._closed
+        """A read lease holds the step now (False once released, or if the monitor said it was lost)."""
+        return self._lease_id is not None and not self._closed and self._sub._holds(self._lease_id)
 
     def __enter__(self) -> Weights:
         return self

@@ -97,33 +97,54 @@ def tensors_of(data, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
     """The tensors and metadata of a safetensors file held in ``data``.
 
     A writable buffer (a mapping) gives tensors that are views of it; bytes (read from an object
-    store) are parsed by the safetensors library, which copies them.
+    store) are parsed by the safetensors library, which copies them. Either way the header must
+    describe the data exactly, as the safetensors format requires: known dtypes, non-negative
+    shapes, byte ranges of the right length that tile the data section with no gap or overlap.
+
+    Raises:
+        CorruptCheckpointError: the header lies about the data.
     """
     header, base = safetensors_header(data, path)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: the safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
-    if isinstance(data, bytes):
-        try:
-            return st_load(data), metadata
-        except Exception as e:  # safetensors raises its own SafetensorError on malformed files
-            raise CorruptCheckpointError(f"{path}: unreadable safetensors file ({e})") from e
-    out: dict[str, torch.Tensor] = {}
+    layout = []
     for key, info in header.items():
         try:
             dtype = _ST_DTYPES[info["dtype"]]
             shape = [int(d) for d in info["shape"]]
             start, stop = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path}: tensor {key!r} has a bad header entry ({e})") from e
+            raise CorruptCheckpointError(f"{path}: tensor {key!r} has a bad header entry ({e!r})") from e
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if stop - start != nbytes or start < 0 or base + stop > len(data):
-            raise CorruptCheckpointError(f"{path}: tensor {key!r} does not fit its byte range {start}..{stop}")
-        if nbytes == 0:
+        if any(d < 0 for d in shape) or stop - start != nbytes:
+            raise CorruptCheckpointError(f"{path}: tensor {key!r} of shape {shape} does not fit bytes {start}..{stop}")
+        layout.append((start, stop, key, dtype, shape))
+    end = 0
+    for start, stop, key, _, _ in sorted(layout):
+        if start != end:
+            raise CorruptCheckpointError(f"{path}: tensor {key!r} starts at byte {start} of the data, not {end} "
+                                         "(its ranges overlap or leave a gap)")
+        end = stop
+    if base + end != len(data):
+        raise CorruptCheckpointError(
+            f"{path}: the tensors cover {end} bytes of data, the file holds {len(data) - base}")
+    if isinstance(data, bytes):
+        try:
+            return st_load(data), metadata
+        except Exception as e:  # safetensors raises its own SafetensorError on malformed files
+            raise CorruptCheckpointError(f"{path}: unreadable safetensors file ({e})") from e
+    out: dict[str, torch.Tensor] = {}
+    for start, stop, key, dtype, shape in layout:
+        if stop == start:
             out[key] = torch.empty(shape, dtype=dtype)
             continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + start)
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=stop - start, offset=base + start)
+        if (base + start) % raw.new_empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # not aligned for its dtype (another writer's file): an aligned copy
         out[key] = raw.view(dtype).reshape(shape)
     return out, metadata
 

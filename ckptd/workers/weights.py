@@ -149,9 +149,9 @@ class WeightSet:
             return self._adapter_loader(model, adapter_name)
         targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         loaded = [k for k in self._pieces if k in targets]
-        shared = {targets[k].untyped_storage().data_ptr() for k in loaded}
-        missing = sorted(k for k in targets
-                         if k not in self._pieces and targets[k].untyped_storage().data_ptr() not in shared)
+        # Tied weights are the same tensor under two names (not merely views of one flat buffer).
+        tied = {_identity(targets[k]) for k in loaded}
+        missing = sorted(k for k in targets if k not in self._pieces and _identity(targets[k]) not in tied)
         unexpected = sorted(set(self._pieces) - set(targets))
         if strict and (missing or unexpected):
             raise CheckpointConfigError(
@@ -182,12 +182,23 @@ class WeightSet:
                 f"step {self.step} holds a LoRA adapter ({self.path}); pass the PeftModel (the base model "
                 "with the adapter) as model"
             )
-        from peft import set_peft_model_state_dict  # optional dependency, only for adapters
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict  # optional, only for adapters
+
+        # Checked before anything is copied: peft copies what fits, then reports the rest.
+        expected = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        unexpected = sorted(set(self._pieces) - set(expected))
+        if unexpected:
+            raise CheckpointConfigError(
+                f"the adapter of step {self.step} has weights the model has no place for: {_few(unexpected)}; "
+                "load it into a PeftModel with the same target_modules")
+        wrong = [f"{k}: {p[0].global_shape} vs {tuple(expected[k].shape)}" for k, p in self._pieces.items()
+                 if p[0].global_shape != tuple(expected[k].shape)]
+        if wrong:
+            raise CheckpointConfigError(
+                f"the adapter of step {self.step} has other shapes than the model: {_few(wrong)}")
 
         def apply() -> None:
-            result = set_peft_model_state_dict(model, self.state_dict(), adapter_name=adapter_name)
-            if result.unexpected_keys:
-                raise CheckpointConfigError(f"adapter weights the model has no place for: {result.unexpected_keys[:5]}")
+            set_peft_model_state_dict(model, self.state_dict(), adapter_name=adapter_name)
 
         return apply
 
@@ -361,6 +372,10 @@ def _covers(pieces: list[Piece]) -> bool:
                    for i, (oa, na) in enumerate(boxes) for ob, nb in boxes[i + 1:])
 
 
+def _identity(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _few(names: list[str]) -> str:
     return f"{names[:5]}{'...' if len(names) > 5 else ''}"
 
@@ -380,7 +395,10 @@ def _load_pickle(storage: Storage, path: str, entry) -> Any:
     """A verified ``torch.save`` file, loaded with ``weights_only=True`` (memory-mapped on POSIX)."""
     if not storage.is_posix:
         return load_torch(map_verified(storage, path, entry), path)
-    before = os.stat(path)
+    try:
+        before = os.stat(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing") from None
     data = map_verified(storage, path, entry)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -164,23 +164,23 @@ def test_a_subscriber_waiting_across_a_monitor_kill_gets_the_next_version(rollou
 
 
 def test_a_lease_survives_a_monitor_restart(rollouts, make_monitor, run_name, tmp_path):
-    """The restarted monitor knows no leases; it deletes nothing committed for one lease period,
-    in which the subscriber's renewal re-grants its lease."""
+    """Leases are recorded under the root: the restarted monitor restores them before its first
+    retention pass, and the subscriber's renewals keep them."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=2.0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
     rollout = rollouts(run_name, "r0")
     publish(coord, 1)
     assert ray.get(rollout.hold.remote(1))
-    restart_monitor(monitor)
-    for step in (2, 3, 4):
+    restart_monitor(monitor, how="sigkill")
+    assert [p.step for p in status(monitor).pins] == [1]
+    for step in (2, 3, 4, 5):
         publish(coord, step)
-    wait_for(lambda: [p.step for p in status(monitor).pins] == [1], what="the lease to be re-granted")
-    time.sleep(2.5)  # past the post-restart hold: from now on only the lease keeps step 1
-    publish(coord, 5)
     assert ray.get(monitor.wait_retention.remote(30))
     assert os.path.isdir(ckptd.step_dir(root, 1)) and not os.path.isdir(ckptd.step_dir(root, 3))
     assert same(ray.get(rollout.read_held.remote()), weights(1))
+    ray.get(rollout.release_held.remote())
+    wait_for(lambda: not os.listdir(f"{root}/.ckptd/leases"), what="the lease record to go")
     coord.close()
 
 

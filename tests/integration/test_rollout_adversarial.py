@@ -3,8 +3,8 @@ kills, several readers), versions that never go back or show an uncommitted step
 never yields bytes the manifest does not vouch for, expiry, a monitor killed for good, status.
 
 Real Ray, real files, real monitors; faults come from named failpoints, SIGKILL and
-``ray.kill``. Tests marked ``xfail(strict=True)`` reproduce a violation found here; each reason
-names the code at fault.
+``ray.kill``. Each violation these tests found was fixed; the tests that found them stay as
+regression tests.
 """
 
 from __future__ import annotations
@@ -296,10 +296,6 @@ def test_a_step_deleted_by_retention_while_an_unpinned_reader_reads_it_is_report
     coord.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/workers/weights.py _load_pickle: os.stat(path) runs before map_verified, so a missing .pt "
-    "file raises FileNotFoundError instead of CorruptCheckpointError naming it (and Weights._read, "
-    "which only catches CorruptCheckpointError, cannot turn it into 'deleted while it was read')"))
 def test_a_deleted_pickle_is_refused_as_corrupt(lab):
     step = lab.step()
     commit(lab.coord, step, lambda d: _torch(d, weights(1)))
@@ -340,12 +336,6 @@ LYING_HEADERS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/workers/mapped.py tensors_of, the POSIX (memory-mapped) path: it checks each range's "
-    "length and end but not overlaps or alignment (overlapping-ranges and misaligned-range load; "
-    "safetensors.torch.load, the object-store path, refuses both), lets ValueError escape for a "
-    "negative dimension with a reversed range, and TypeError for a header that is not a JSON object "
-    "(header.pop on a list, on both paths)"))
 def test_a_committed_safetensors_file_whose_header_lies_is_refused_as_corrupt(lab):
     """The writer itself wrote a bad file (so its CRC matches the manifest): the reader must still
     refuse it as corrupt, naming it."""
@@ -374,11 +364,6 @@ def test_a_committed_safetensors_file_whose_header_lies_is_refused_as_corrupt(la
     assert not accepted, accepted
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/workers/weights.py WeightSet.prepare_load: a parameter missing from the checkpoint counts "
-    "as 'tied' when its untyped_storage().data_ptr() equals a loaded one's; parameters that are views "
-    "of one flat buffer (FSDP-style flat params) all share that storage, so strict=True loads a "
-    "checkpoint that lacks some of them without a word"))
 def test_strict_load_refuses_a_checkpoint_missing_a_parameter_that_shares_a_flat_buffer(lab):
     step = lab.step()
     lab.coord.save_state_async("model", {"w": weights(1)["w"]}, step, is_state_dict=True)  # no "b"
@@ -394,10 +379,6 @@ def test_strict_load_refuses_a_checkpoint_missing_a_parameter_that_shares_a_flat
     assert unchanged(model)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/workers/weights.py WeightSet._adapter_loader: set_peft_model_state_dict copies the "
-    "adapter's weights first and only then is result.unexpected_keys checked, so a refused LoRA load "
-    "(an adapter with modules the model has no place for) has already overwritten the matching ones"))
 def test_a_refused_lora_load_leaves_the_adapter_as_it_was(lab):
     peft = pytest.importorskip("peft")
     from ckptd.workers import save_lora_adapter, snapshot
@@ -520,8 +501,8 @@ def test_a_step_claimed_by_retention_refuses_a_pin_and_a_pinned_neighbour_surviv
 def test_a_monitor_killed_mid_deletion_restarts_and_honours_a_pin_taken_right_after(make_monitor, run_name,
                                                                                     tmp_path):
     """Retention claims step 1 and the monitor dies before the rename. The restarted monitor
-    grants a pin on step 1 at once; its first passes after the post-restart hold delete the other
-    old steps but never step 1 while the pin lasts."""
+    finishes that deletion (nothing pinned step 1), honours a pin taken right after it on step 2,
+    and its later passes delete the other old steps but never step 2 while the pin lasts."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=1.0, runtime_env=failpoint_env(
         "before_step_delete=crash", once_dir=tmp_path / "once"))
@@ -532,20 +513,17 @@ def test_a_monitor_killed_mid_deletion_restarts_and_honours_a_pin_taken_right_af
     before = ray.get(monitor.ping.remote())["started_at"]
     publish(coord, 3)  # its retention pass crashes the monitor on step 1
     wait_for(lambda: ray.get(monitor.ping.remote())["started_at"] != before, what="the monitor to restart")
-    assert step_exists(root, 1)
-    # A renewal timed out (1 s) while the monitor was down: the subscriber reads the root alone
-    # until it finds the monitor again, and a handle opened meanwhile would say pinned=False.
-    wait_for(lambda: sub.mode == "monitor", what="the subscriber to follow the monitor again")
-    held = sub.open(1)
+    held = sub.open(2)
     assert held.pinned
+    assert ray.get(monitor.wait_retention.remote(30))
+    assert not step_exists(root, 1)  # the interrupted deletion was finished
     publish(coord, 4)
     publish(coord, 5)
-    wait_for(lambda: not step_exists(root, 2) and not step_exists(root, 3), timeout_s=30,
-             what="retention after the post-restart hold")
-    assert step_exists(root, 1) and [p.step for p in status(monitor).pins] == [1]
-    assert same(held.state_dict(), weights(1))
+    wait_for(lambda: not step_exists(root, 3), timeout_s=30, what="retention of step 3")
+    assert step_exists(root, 2) and [p.step for p in status(monitor).pins] == [2]
+    assert same(held.state_dict(), weights(2))
     held.release()
-    wait_for(lambda: not step_exists(root, 1), what="step 1 to go once released")
+    wait_for(lambda: not step_exists(root, 2), what="step 2 to go once released")
     sub.close()
     coord.close()
 
@@ -611,13 +589,6 @@ def test_leases_and_served_versions_survive_a_monitor_restart_and_the_retention_
     coord.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/monitor/actor.py CheckpointMonitor.__init__: the post-restart hold (ReaderRegistry "
-    "restarted=...) is only given to a Ray restart of the same attempt (started_before); a monitor "
-    "started anew on the root after the old one was killed for good runs retention in its constructor "
-    "with no hold, before any subscriber can re-announce its leases, and deletes a step a live reader "
-    "still holds. The reader's handle still says pinned=True (ckptd/rollout/weights.py Weights.pinned "
-    "never learns of a lost lease)"))
 def test_a_new_monitor_on_the_root_keeps_a_step_a_live_reader_pinned_under_the_old_one(make_monitor, run_name,
                                                                                       tmp_path):
     root = str(tmp_path / "ckpt")
@@ -643,13 +614,6 @@ def test_a_new_monitor_on_the_root_keeps_a_step_a_live_reader_pinned_under_the_o
         sub.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/rollout/subscriber.py _renew_loop: one renewal slower than read_lease_s (a monitor restart "
-    "takes seconds) detaches the subscriber, and a detached subscriber neither renews its leases nor "
-    "looks for the monitor again for poll_interval_s; the restarted monitor re-grants the lease from "
-    "Ray's retried heartbeat, then expires it one lease period later and retention deletes the step "
-    "while the reader's handle still says pinned=True. Any poll_interval_s >= read_lease_s loses leases "
-    "on every restart"))
 def test_a_lease_survives_a_restart_whatever_the_storage_poll_interval(make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=1.0)
@@ -835,13 +799,6 @@ def test_a_sigkilled_readers_lease_expires_and_a_released_lease_never_comes_back
     coord.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/monitor/readers.py ReaderRegistry._released lives in memory only: a renewal sent before a "
-    "release but delivered to the restarted monitor (the renewer thread in subscriber.py copies "
-    "_leases, the handle is released and the monitor handles the release, the monitor dies, Ray "
-    "retries the queued reader_heartbeat on the new instance) is unknown there, so "
-    "Publication.reader_heartbeat re-grants it through _pin_checked; status shows a pin nobody "
-    "holds and retention keeps the step for another lease period"))
 def test_a_released_lease_is_not_revived_by_a_renewal_the_restarted_monitor_receives(make_monitor, run_name,
                                                                                       tmp_path):
     root = str(tmp_path / "ckpt")
@@ -970,12 +927,6 @@ def test_a_waiter_across_a_sigkill_is_woken_by_the_commit_the_restarted_monitor_
 # -- I6: status ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckptd/monitor/publication.py Publication._seed_versions: a restarted monitor knows the "
-    "publication time of the tracker's step only, so ReaderRegistry.lag counts lag_s from the newest "
-    "commit instead of the first one newer than the served version (its docstring promises None when "
-    "that publication is older than the monitor knows); a reader two versions behind looks fresher "
-    "after every restart"))
 def test_served_lag_after_a_restart_never_understates_the_lag(make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)

@@ -10,8 +10,8 @@ from ckptd.monitor.readers import ReaderRegistry
 SD = Kind.STATE_DICT
 
 
-def registry(lease_s: float = 10.0, restarted: bool = False) -> ReaderRegistry:
-    return ReaderRegistry(lease_s, restarted, now=100.0)
+def registry(lease_s: float = 10.0) -> ReaderRegistry:
+    return ReaderRegistry(lease_s)
 
 
 def sub(reg: ReaderRegistry, sub_id: str = "s1", now: float = 100.0):
@@ -79,10 +79,26 @@ def test_leases_expire_without_renewal_and_renewals_extend_them():
     assert not reg.live(s, 111.0) and reg.live(s, 105.0)
 
 
-def test_after_a_restart_deletions_are_held_for_one_lease_period():
-    reg = registry(lease_s=10.0, restarted=True)
-    assert reg.holding(105.0) and not reg.holding(110.5)
-    assert not registry(restarted=False).holding(100.0)
+def test_restored_leases_hold_their_steps_until_renewed_or_expired():
+    reg = registry(lease_s=10.0)
+    reg.restore("l1", "s1", "rollout-s1", SD, 5, now=200.0)
+    reg.restore("l2", "s2", "rollout-s2", SD, 6, now=200.0)
+    assert reg.pinned_steps() == {5, 6} and not reg.claim_for_delete(5)
+    s1 = sub(reg, "s1", 205.0)
+    assert reg.renew(s1, "l1", 5, 205.0) is None
+    assert [lease.lease_id for lease in reg.expire(211.0)] == ["l2"]
+    assert reg.pinned_steps() == {5}
+
+
+def test_a_renewal_never_grants_a_lease_and_reports_released_or_expired_ones():
+    reg = registry(lease_s=10.0)
+    s = sub(reg)
+    assert "released or expired" in reg.renew(s, "unknown", 5, 100.0)  # subscribers renew granted leases only
+    assert reg.pinned_steps() == set()
+    reg.pin(s, "l1", 5, 100.0)
+    reg.expire(111.0)
+    assert "released or expired" in reg.renew(s, "l1", 5, 112.0)
+    assert reg.pinned_steps() == set()
 
 
 def test_lag_counts_steps_and_seconds_from_the_first_newer_publication():
@@ -99,6 +115,18 @@ def test_lag_counts_steps_and_seconds_from_the_first_newer_publication():
     assert s.serving_since == 108.0
     reg.report_serving(s, 3, 109.0)  # the same version again: since stays
     assert s.serving_since == 108.0
+
+
+def test_lag_seconds_are_unknown_when_the_first_newer_publication_is_older_than_the_monitor_knows():
+    reg = registry()
+    s = sub(reg)
+    reg.published(SD, 5, 100.0)  # restored at start-up: steps before 5 are gone from the root
+    reg.known_from(SD, 5)
+    reg.published(SD, 6, 104.0)
+    reg.report_serving(s, 3, 90.0)
+    assert reg.lag(s, 6, 110.0) == (3, None)
+    reg.report_serving(s, 5, 101.0)
+    assert reg.lag(s, 6, 110.0) == (1, 6.0)
 
 
 def test_served_versions_of_live_subscribers_only():

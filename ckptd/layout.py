@@ -12,6 +12,7 @@
         reg-{id}.json                        one per register call: counts to add per kind
         unit-{call}.json                     one receipt per finished or failed save call
         failed-{kind}.json                   why a kind of the step failed (timeout, commit)
+      .ckptd/leases/{id}.json                a weight subscriber's read lease on a step
 
 A step of a kind exists for readers only if its manifest exists, on every backend. Steps are
 always ordered by the number parsed from the directory name, never by the name.

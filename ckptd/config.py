@@ -140,8 +140,8 @@ class MonitorOptions(RetentionLimits):
             commit are deleted once nothing in them has changed for this long (failed steps
             are deleted at once).
         read_lease_s: A read lease (a weight subscriber's pin on a step) and a subscriber's
-            liveness last this long without renewal; subscribers renew every third of it. After
-            a monitor restart, nothing committed is deleted for this long while they renew.
+            liveness last this long without renewal; subscribers renew every third of it. Leases
+            are recorded under the root, and a monitor that starts restores them for this long.
         keep_served: Retention also keeps the version each live subscriber reports serving.
         mirror: Upload committed steps to this fsspec URL in the background (a
             :class:`MirrorOptions`, or just its URL). Retention applies to each tier separately.

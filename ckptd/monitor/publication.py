@@ -39,12 +39,13 @@ def read_leases(storage: Storage) -> list[dict]:
     """The lease records under the root (blocking I/O: for the monitor's constructor)."""
     out = []
     for name in storage.listdir(storage.join(LEASES)):
-        if name.endswith(".json"):
-            text = storage.read_text_or_none(storage.join(LEASES, name))
-            try:
-                out.append(json.loads(text)) if text else None
-            except json.JSONDecodeError:
-                log.warning("ignoring an unreadable lease record %s", name)
+        text = storage.read_text_or_none(storage.join(LEASES, name)) if name.endswith(".json") else None
+        if not text:
+            continue  # a temp file of an atomic write, or a record removed meanwhile
+        try:
+            out.append(json.loads(text))
+        except json.JSONDecodeError:
+            log.warning("ignoring an unreadable lease record %s", name)
     return out
 
 

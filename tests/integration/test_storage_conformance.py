@@ -23,7 +23,8 @@ from ckptd.monitor.retention import delete_step
 from ckptd.shared_root import check_writable
 from ckptd.storage import Storage
 from ckptd.workers.files import read_verified, write_bytes
-from ckptd.workers.safetensors_io import read_safetensors, write_safetensors
+from ckptd.workers.mapped import read_safetensors
+from ckptd.workers.safetensors_io import write_safetensors
 
 
 class StorageConformance:

@@ -20,12 +20,20 @@ def start_ray(runtime_env: dict | None = None) -> None:
              runtime_env=runtime_env)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A real local Ray instance per test module."""
-    start_ray()
+@pytest.fixture(scope="session")
+def _ray_session():
     yield
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_session):
+    """A real local Ray instance, shared by the test modules that need no special runtime
+    environment (starting one costs seconds); a module that needs another one shuts it down."""
+    if not ray.is_initialized():
+        start_ray()
+    yield
 
 
 @pytest.fixture

@@ -31,6 +31,9 @@ FAST_RETRIES = {"retries": 2, "retry_backoff_s": 0.01, "retry_after_s": 600}
 
 @pytest.fixture(scope="module")
 def ray_local():
+    """Ray whose workers know the faulty:// filesystem: not the instance other modules share."""
+    if ray.is_initialized():
+        ray.shutdown()
     start_ray({"worker_process_setup_hook": "tests.faulty_fs.register"})
     yield
     ray.shutdown()

@@ -108,7 +108,7 @@ class CheckpointMonitor(CommitFlow, Publication):
         rebuilt = rebuild(self._storage, self._template, self._attempt, self._ledger,
                           None if self._fenced else self._committer, self._trackers)
         self._committed_at_start = rebuilt.committed_at_start
-        self._restore_readers()  # before retention: leases recorded by earlier monitors hold their steps
+        self._restore_readers(rebuilt.scanned)  # before retention: leases recorded by earlier monitors hold their steps
         self._failures_recorded |= rebuilt.failures
         self._failures_durable |= rebuilt.failures
         for step in rebuilt.settled:

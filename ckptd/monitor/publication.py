@@ -15,7 +15,7 @@ import logging
 import time
 
 from ckptd.config import Kind
-from ckptd.layout import LEDGER_DIR, MANIFESTS, is_committed, scan_steps
+from ckptd.layout import LEDGER_DIR, MANIFESTS, StepEntry, is_committed
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.monitor")
@@ -50,9 +50,10 @@ def read_leases(storage: Storage) -> list[dict]:
 
 
 class Publication:
-    def _restore_readers(self) -> None:
-        """Leases recorded by earlier monitors, and when the versions still on the root were
-        published (from their manifests). Blocking I/O: for the constructor, before retention."""
+    def _restore_readers(self, entries: dict[int, StepEntry]) -> None:
+        """Leases recorded by earlier monitors, and when the versions still on the root (the step
+        directories the rebuild found) were published, from their manifests. Blocking I/O: for the
+        constructor, before retention."""
         now = time.time()
         for rec in read_leases(self._storage):
             try:
@@ -60,7 +61,6 @@ class Publication:
                                       now)
             except (KeyError, ValueError, TypeError) as e:
                 log.warning("ignoring a malformed lease record %s: %s", rec, e)
-        entries = scan_steps(self._storage, self._template)
         for kind in Kind:
             newest = self._trackers[kind]
             counted = sorted(s for s, e in entries.items()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, scan_steps
+from ckptd.layout import MANIFESTS, StepEntry, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
@@ -22,6 +22,7 @@ class Rebuilt:
     committed_at_start: dict[int, frozenset[Kind]] = field(default_factory=dict)
     failures: set[tuple[int, Kind]] = field(default_factory=set)  # recorded in storage already
     settled: list[int] = field(default_factory=list)  # committed steps whose records can go
+    scanned: dict[int, StepEntry] = field(default_factory=dict)  # the step directories found
 
 
 def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: StepLedger,
@@ -35,7 +36,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     out = Rebuilt()
     now = time.time()
     newest: dict[Kind, int] = {}
-    scanned = scan_steps(storage, template)
+    scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
     for step, entry in scanned.items():
         for kind in entry.kinds:

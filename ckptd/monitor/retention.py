@@ -137,7 +137,6 @@ def is_idle(storage: Storage, entry: StepEntry, grace_s: float, now: float | Non
 @dataclass
 class PassResult:
     deleted: list[int] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)  # claimed by a reader at the last moment
     errors: list[str] = field(default_factory=list)
 
 
@@ -159,8 +158,7 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
     for entry in sorted(todo, key=lambda e: e.step):
         claimed = entry.committed and claim is not None
         if claimed and not claim(entry.step):
-            result.kept.append(entry.step)
-            continue
+            continue  # a reader pinned it since the plan was made: the next pass sees it again
         try:
             if before_delete is not None and entry.committed:
                 before_delete(entry)

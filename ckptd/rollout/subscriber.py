@@ -179,9 +179,6 @@ class WeightSubscriber:
 
     def latest(self) -> int | None:
         """The newest committed version now (None if there is none)."""
-        return self._newest_now()
-
-    def _newest_now(self) -> int | None:
         handle = self._monitor
         if handle is not None:
             try:
@@ -325,7 +322,7 @@ class WeightSubscriber:
             CheckpointError: nothing is committed yet, or ``version`` is not (any longer) committed.
         """
         if version is None:
-            version = self._newest_now()
+            version = self.latest()
             if version is None:
                 raise CheckpointError(f"no {self.kind.value} is committed under {self._storage.url} yet; "
                                       "wait_for_version() first")

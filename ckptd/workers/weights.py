@@ -34,11 +34,12 @@ from ckptd.verify import CommittedStep
 from ckptd.workers import hf, lora, sharded
 from ckptd.workers.files import load_json, load_torch
 from ckptd.workers.mapped import map_verified, pool, read_safetensors
+from ckptd.workers.training_state import DATA, PER_RANK
 
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_WEIGHTS = "pytorch_model.bin"
-_TRAINING_STATE_DIRS = ("optimizer", "lr_scheduler", "rng")
-_TRAINING_STATE_FILES = ("data.pt",)
+_TRAINING_STATE_DIRS = PER_RANK  # optimizer/rank-00000.pt ...: not weights
+_TRAINING_STATE_FILES = (DATA,)
 
 
 @dataclass(frozen=True)

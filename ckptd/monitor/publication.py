@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 from ckptd.config import Kind
@@ -22,30 +23,38 @@ log = logging.getLogger("ckptd.monitor")
 
 LEASES = f"{LEDGER_DIR}/leases"
 _SEEDED_VERSIONS = 100  # publication times read back from manifests at start-up
+_LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a lease id names a file: nothing else
+
+
+def lease_path(storage: Storage, lease_id: str) -> str:
+    if not _LEASE_ID.fullmatch(lease_id):
+        raise ValueError(f"lease id {lease_id!r} is not 1-64 letters, digits, '-' or '_'")
+    return storage.join(LEASES, f"{lease_id}.json")
 
 
 def write_lease(storage: Storage, lease_id: str, sub, step: int) -> None:
     record = {"lease": lease_id, "subscriber": sub.sub_id, "name": sub.name, "kind": sub.kind.value, "step": step}
     # Not fsynced: losing one to a power cut of the storage server loses a lease its reader, on
     # that storage, could not have kept reading anyway.
-    storage.write_atomic(storage.join(LEASES, f"{lease_id}.json"), json.dumps(record).encode(), durable=False)
+    storage.write_atomic(lease_path(storage, lease_id), json.dumps(record).encode(), durable=False)
 
 
 def remove_lease(storage: Storage, lease_id: str) -> None:
-    storage.rm(storage.join(LEASES, f"{lease_id}.json"))
+    storage.rm(lease_path(storage, lease_id))
 
 
-def read_leases(storage: Storage) -> list[dict]:
-    """The lease records under the root (blocking I/O: for the monitor's constructor)."""
-    out = []
+def read_leases(storage: Storage) -> list[tuple[str, object]]:
+    """The lease records under the root, by file name; None for one that cannot be read
+    (blocking I/O: for the monitor's constructor)."""
+    out: list[tuple[str, object]] = []
     for name in storage.listdir(storage.join(LEASES)):
-        text = storage.read_text_or_none(storage.join(LEASES, name)) if name.endswith(".json") else None
-        if not text:
-            continue  # a temp file of an atomic write, or a record removed meanwhile
         try:
-            out.append(json.loads(text))
-        except json.JSONDecodeError:
-            log.warning("ignoring an unreadable lease record %s", name)
+            text = storage.read_text_or_none(storage.join(LEASES, name)) if name.endswith(".json") else None
+            if text:  # else a temp file of an atomic write, or a record removed meanwhile
+                out.append((name, json.loads(text)))
+        except (OSError, ValueError, RecursionError) as e:  # a damaged record must not stop the monitor
+            log.warning("removing an unreadable lease record %s: %s", name, e)
+            out.append((name, None))
     return out
 
 
@@ -55,12 +64,18 @@ class Publication:
         directories the rebuild found) were published, from their manifests. Blocking I/O: for the
         constructor, before retention."""
         now = time.time()
-        for rec in read_leases(self._storage):
+        for name, rec in read_leases(self._storage):
             try:
+                if rec is None or lease_path(self._storage, rec["lease"]) != self._storage.join(LEASES, name):
+                    raise ValueError("its lease id is not its file name")
                 self._readers.restore(rec["lease"], rec["subscriber"], rec["name"], Kind(rec["kind"]), int(rec["step"]),
                                       now)
-            except (KeyError, ValueError, TypeError) as e:
-                log.warning("ignoring a malformed lease record %s: %s", rec, e)
+            except (KeyError, ValueError, TypeError, OverflowError) as e:
+                log.warning("removing a malformed lease record %s (%s): %s", name, str(rec)[:200], e)
+                try:
+                    self._storage.rm(self._storage.join(LEASES, name))  # by its listed name: inside LEASES
+                except OSError as err:  # best effort: it is skipped again at the next start
+                    log.warning("could not remove %s: %s", name, err)
         for kind in Kind:
             newest = self._trackers[kind]
             counted = sorted(s for s, e in entries.items()
@@ -140,6 +155,8 @@ class Publication:
         still committed: a step retention deleted just before is refused, never handed out.
         """
         sub = self._reader(reader)
+        if not isinstance(lease_id, str) or not _LEASE_ID.fullmatch(lease_id):
+            return {"error": f"lease id {lease_id!r} is not 1-64 letters, digits, '-' or '_'"}
         why = self._readers.pin(sub, lease_id, step, time.time())
         if why is not None:
             return {"error": why}

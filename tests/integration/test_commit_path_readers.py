@@ -153,12 +153,6 @@ def test_a_failed_step_stays_failed_with_leases_naming_failed_missing_and_stale_
     pytest.param("inf.json", b'{"lease": "i", "subscriber": "s", "name": "n", "kind": "state_dict", '
                              b'"step": Infinity}', id="infinite-step"),
 ])
-@pytest.mark.xfail(strict=True, reason=(
-    "publication.read_leases catches only json.JSONDecodeError and _restore_readers only "
-    "KeyError/ValueError/TypeError: a lease record that is a directory (IsADirectoryError from "
-    "storage.read_text_or_none), not UTF-8 (UnicodeDecodeError raised by read_text_or_none, outside the "
-    "try), nested past the recursion limit (RecursionError from json.loads) or with step Infinity "
-    "(OverflowError from int(float('inf'))) escapes the constructor: the monitor cannot start on the root"))
 def test_a_malformed_lease_record_does_not_stop_the_monitor_from_starting(make_monitor, run_name, tmp_path,
                                                                            name, data):
     root = str(tmp_path / "ckpt")
@@ -174,11 +168,6 @@ def test_a_malformed_lease_record_does_not_stop_the_monitor_from_starting(make_m
     _assert_step2_stays_failed(monitor, root, resave=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lease ids are not validated: publication.remove_lease joins the record's 'lease' field into "
-    "'.ckptd/leases/{lease_id}.json', so a restored record with lease '../../global_step_3/"
-    "ckptd_state_dict_manifest' deletes step 3's manifest when it expires (_expire_readers -> "
-    "_remove_quietly): the state-dict tracker then names a step that no longer verifies"))
 def test_an_expiring_lease_record_never_removes_a_file_outside_the_lease_directory(make_monitor, run_name,
                                                                                    tmp_path):
     root = str(tmp_path / "ckpt")

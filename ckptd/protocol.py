@@ -142,17 +142,21 @@ def _dump(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
 
-def write_registration(storage: Storage, attempt: int, reg: Registration) -> None:
-    path = f"{step_pending_dir(storage, attempt, reg.step)}/reg-{reg.reg_id}.json"
+def _write_record(storage: Storage, path: str, data: bytes, durable: bool = True) -> None:
     for tries in range(3):
         try:
-            storage.write_atomic(path, reg.model_dump_json().encode())
+            storage.write_atomic(path, data, durable=durable)
             return
         except FileNotFoundError:
-            # The step's records directory was being removed (retention of an old step) between
-            # creating it and writing into it: write it again.
+            # The step's records directory was being removed (the clean-up after its commit, or
+            # retention of an old step) between creating it and writing into it: write it again.
             if tries == 2:
                 raise
+
+
+def write_registration(storage: Storage, attempt: int, reg: Registration) -> None:
+    _write_record(storage, f"{step_pending_dir(storage, attempt, reg.step)}/reg-{reg.reg_id}.json",
+                  reg.model_dump_json().encode())
 
 
 def _receipt_path(storage: Storage, attempt: int, unit: UnitId) -> str:
@@ -163,7 +167,7 @@ def write_started(storage: Storage, attempt: int, unit: UnitId) -> None:
     """Written before a unit asks to be admitted: a restarted monitor must know the units that are
     still writing (they hold their step's commit). Replaced by the unit's outcome."""
     body = {"unit": unit.to_dict(), "status": "started", "at": time.time()}
-    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body), durable=False)
+    _write_record(storage, _receipt_path(storage, attempt, unit), _dump(body), durable=False)
 
 
 def remove_receipt(storage: Storage, attempt: int, unit: UnitId) -> None:
@@ -176,18 +180,18 @@ def write_finished(storage: Storage, attempt: int, unit: UnitId, files: list[Fil
             "files": [f.model_dump() for f in files], "found": found}
     # Not fsynced: a receipt lost to a power cut only means its step does not commit (it times
     # out, the safe direction); the commit itself is the monitor's fsynced manifest.
-    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body), durable=False)
+    _write_record(storage, _receipt_path(storage, attempt, unit), _dump(body), durable=False)
 
 
 def write_failed(storage: Storage, attempt: int, unit: UnitId, failure: UnitFailure) -> None:
     """A failure receipt, durable: a restarted monitor must never commit the unit's step."""
     body = {"unit": unit.to_dict(), "status": "failed", "at": time.time(), "failure": failure.model_dump()}
-    storage.write_atomic(_receipt_path(storage, attempt, unit), _dump(body))
+    _write_record(storage, _receipt_path(storage, attempt, unit), _dump(body))
 
 
 def write_step_failure(storage: Storage, attempt: int, step: int, kind: Kind, reason: str) -> None:
     path = f"{step_pending_dir(storage, attempt, step)}/failed-{kind.value}.json"
-    storage.write_atomic(path, _dump({"reason": reason, "at": time.time()}))
+    _write_record(storage, path, _dump({"reason": reason, "at": time.time()}))
 
 
 def write_step_deleted(storage: Storage, attempt: int, step: int, kinds: list[Kind]) -> None:
@@ -195,7 +199,7 @@ def write_step_deleted(storage: Storage, attempt: int, step: int, kinds: list[Ki
     kind keeps its records (the failure must not be forgotten), and this says the committed
     kinds are not to be committed again."""
     path = f"{step_pending_dir(storage, attempt, step)}/deleted.json"
-    storage.write_atomic(path, _dump({"kinds": sorted(k.value for k in kinds), "at": time.time()}))
+    _write_record(storage, path, _dump({"kinds": sorted(k.value for k in kinds), "at": time.time()}))
 
 
 def remove_step_records(storage: Storage, attempt: int, step: int) -> None:

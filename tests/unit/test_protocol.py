@@ -45,3 +45,33 @@ def test_records_belong_to_their_attempt(tmp_path):
 def test_ids_and_default_worker_ids_are_unique():
     assert len({protocol.new_id() for _ in range(1000)}) == 1000
     assert protocol.default_worker_id("n" * 20, None) != protocol.default_worker_id("n" * 20, None)
+
+
+class _CleanedUnderneath(Storage):
+    """A root whose step records directory is removed once, between being created and the record
+    being renamed into it: the clean-up of a step that just committed, racing a worker's receipt."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.removed = 0
+
+    def write_atomic(self, path, data, *, before_publish=None, durable=True):
+        def remove_once():
+            if not self.removed:
+                self.removed += 1
+                protocol.remove_step_records(self, 1, 1)
+
+        super().write_atomic(path, data, before_publish=remove_once, durable=durable)
+
+
+def test_a_record_written_while_its_step_is_cleaned_up_is_written_again(tmp_path):
+    a, b = _unit("w", "model"), _unit("w", "sd")
+    for write in (lambda s: protocol.write_started(s, 1, a),
+                  lambda s: protocol.write_finished(s, 1, a, []),
+                  lambda s: protocol.write_failed(s, 1, b, UnitFailure(unit=b.label, error_type="E", message="m")),
+                  lambda s: protocol.write_step_failure(s, 1, 1, Kind.CHECKPOINT, "timed out")):
+        storage = _CleanedUnderneath(str(tmp_path / protocol.new_id()))
+        write(storage)
+        assert storage.removed == 1
+        (pending,) = protocol.load_pending(storage, 1)
+        assert pending.started or pending.finished or pending.failed or pending.failure_reasons

@@ -12,9 +12,11 @@ from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.storage import Storage
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
+from ckptd.workers import reshard
+from ckptd.workers.dtensor import GROUPS_FILE, is_dtensor
 from ckptd.workers.files import load_json, load_torch
 from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
-from ckptd.workers.weights import read_weights
+from ckptd.workers.weights import locate, read_weights
 
 log = logging.getLogger("ckptd.resume")
 
@@ -78,8 +80,11 @@ def resume(
             state saved by :func:`ckptd.workers.save_training_state` (this rank's, for the first
             two; ``data.pt`` for the dataloader).
         rank: This rank.
-        world_size: This run's number of ranks, if known; per-rank optimizer and scheduler
-            state cannot move to another world size, and asking for it is an error.
+        world_size: This run's number of ranks, if known. On another world size than the
+            checkpoint's, a sharded state (:func:`ckptd.workers.sharded_state`) is re-sharded
+            (model and optimizer), the scheduler gets the state all saved ranks agree on, and
+            ranks beyond the saved ones keep their random generators; per-rank optimizer files
+            (:func:`ckptd.workers.save_training_state`) cannot move and are refused.
         step: Resume this committed step instead of the newest.
         model_dir, state_dir: Where in the step directory the model and the training state
             were written ('' for the step directory itself).
@@ -117,32 +122,17 @@ def resume(
         running = RunningState.model_validate(load_json(read_file(storage, committed, prefix + RUNNING_STATES), path))
 
     # Read and check everything first; change nothing until all of it loaded.
-    apply = []
-    if model is not None:
-        apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
-    for obj, part in ((optimizer, "optimizer"), (lr_scheduler, "lr_scheduler")):
-        if obj is not None:
-            if running is not None and world_size is not None and running.world_size != world_size:
-                raise CheckpointConfigError(
-                    f"step {committed.step} holds {part} state of {running.world_size} ranks, one per rank, "
-                    f"and this run has {world_size}; it cannot be re-sharded. Resume with the same world "
-                    f"size, or leave {part}=None and start it fresh"
-                )
-            state = _load(storage, committed, prefix + rank_file(part, rank), part)
-            apply.append(lambda obj=obj, state=state: obj.load_state_dict(state))
-    if dataloader is not None:
-        data = _load(storage, committed, prefix + DATA, "dataloader")
-        if running is not None and running.epoch_finished:
-            data = end_epoch(data)  # also for checkpoints written without it
-        apply.append(lambda: dataloader.load_state_dict(data))
-    if restore_rng:
-        rel = prefix + rank_file("rng", rank)
-        if rel in committed.files:
-            rng = load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
-            apply.append(lambda: set_rng_state(rng))
-        else:
-            log.warning("step %d has no RNG state for rank %d; random generators are not restored",
-                        committed.step, rank)
+    sharded_dir = _sharded_state_dir(storage, committed, model, optimizer, model_dir)
+    try:
+        apply = _read_all(storage, committed, running, prefix, sharded_dir, model=model, optimizer=optimizer,
+                          lr_scheduler=lr_scheduler, dataloader=dataloader, rank=rank, world_size=world_size,
+                          model_dir=model_dir, restore_rng=restore_rng, adapter_name=adapter_name)
+    except Exception:
+        if sharded_dir is not None:
+            reshard.agree(False)  # the other ranks must not go on with their part alone
+        raise
+    if sharded_dir is not None:
+        reshard.agree(True)
     for fn in apply:
         fn()
 
@@ -157,6 +147,80 @@ def resume(
         epoch, in_epoch, start = running.epoch, running.step_in_epoch, running.sample_start_index
     return ResumeState(step=committed.step, epoch=epoch, step_in_epoch=in_epoch, sample_start_index=start,
                        consumed_samples=running.consumed_samples, path=url, running=running)
+
+
+def _sharded_state_dir(storage: Storage, committed: CommittedStep, model: Any, optimizer: Any,
+                       model_dir: str | None) -> str | None:
+    """The sharded directory to load model (and optimizer) from block by block, or None when the
+    model is loaded whole (:func:`ckptd.workers.weights.read_weights`)."""
+    if model is None:
+        return None
+    rel, fmt = locate(committed, model_dir)
+    if fmt != "sharded":
+        return None
+    prefix = f"{rel}/" if rel else ""
+    has_optimizer = f"{prefix}{GROUPS_FILE}" in committed.files
+    if any(is_dtensor(p) for p in model.parameters()) or (optimizer is not None and has_optimizer):
+        return rel
+    return None
+
+
+def _read_all(storage: Storage, committed: CommittedStep, running: RunningState | None, prefix: str,
+              sharded_dir: str | None, *, model, optimizer, lr_scheduler, dataloader, rank: int,
+              world_size: int | None, model_dir: str | None, restore_rng: bool, adapter_name: str) -> list:
+    apply = []
+    moved = running is not None and world_size is not None and running.world_size != world_size
+    if sharded_dir is not None:
+        has_optimizer = f"{sharded_dir}/{GROUPS_FILE}".lstrip("/") in committed.files
+        apply.append(reshard.load_sharded_state(storage, committed, sharded_dir, model,
+                                                optimizer if has_optimizer else None))
+        if has_optimizer:
+            optimizer = None  # loaded with the model, on any world size
+    elif model is not None:
+        apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
+    if optimizer is not None:
+        if moved:
+            raise CheckpointConfigError(
+                f"step {committed.step} holds optimizer state of {running.world_size} ranks, one per rank, "
+                f"and this run has {world_size}; it cannot be re-sharded. Save it with "
+                "ckptd.workers.sharded_state(model, optimizer) to resume on another world size, resume with "
+                "the same world size, or leave optimizer=None and start it fresh"
+            )
+        optimizer_state = _load(storage, committed, prefix + rank_file("optimizer", rank), "optimizer")
+        apply.append(lambda: optimizer.load_state_dict(optimizer_state))
+    if lr_scheduler is not None:
+        scheduler_state = _scheduler_state(storage, committed, prefix, rank, running if moved else None)
+        apply.append(lambda: lr_scheduler.load_state_dict(scheduler_state))
+    if dataloader is not None:
+        data = _load(storage, committed, prefix + DATA, "dataloader")
+        if running is not None and running.epoch_finished:
+            data = end_epoch(data)  # also for checkpoints written without it
+        apply.append(lambda: dataloader.load_state_dict(data))
+    if restore_rng:
+        rel = prefix + rank_file("rng", rank)
+        if rel in committed.files:
+            rng = load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
+            apply.append(lambda: set_rng_state(rng))
+        else:
+            log.warning("step %d has no RNG state for rank %d (%s); random generators are not restored",
+                        committed.step, rank, f"it was saved by {running.world_size} ranks" if moved else
+                        "it was saved without")
+    return apply
+
+
+def _scheduler_state(storage: Storage, committed: CommittedStep, prefix: str, rank: int,
+                     moved_from: RunningState | None) -> Any:
+    """This rank's scheduler state; on another world size, the one every saved rank agrees on."""
+    if moved_from is None:
+        return _load(storage, committed, prefix + rank_file("lr_scheduler", rank), "lr_scheduler")
+    states = [_load(storage, committed, prefix + rank_file("lr_scheduler", r), "lr_scheduler")
+              for r in range(moved_from.world_size)]
+    if any(s != states[0] for s in states[1:]):
+        raise CheckpointConfigError(
+            f"step {committed.step} holds different lr_scheduler states on its {moved_from.world_size} ranks, so "
+            "none of them is the state of a rank of another world size; resume with the same world size, or "
+            "leave lr_scheduler=None")
+    return states[0]
 
 
 def _choose_tier(local: Storage, step: int | None, mirror: str | None,

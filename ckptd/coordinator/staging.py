@@ -25,20 +25,36 @@ import torch
 
 from ckptd.errors import CheckpointError
 from ckptd.threads import lower_priority
+from ckptd.workers.dtensor import is_dtensor
 from ckptd.workers.state_dict import map_tensors
 
 
 def tensors_of(state: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested dict/list/tuple, in :func:`map_tensors` order."""
+    """Every tensor in a nested dict/list/tuple, in :func:`map_tensors` order; of a DTensor, the
+    block this rank holds (staging never gathers)."""
     found: list[torch.Tensor] = []
-    map_tensors(state, found.append)
+    map_tensors(state, lambda t: found.append(t.to_local() if is_dtensor(t) else t))
     return found
 
 
 def rebuild(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """``state`` with its tensors replaced, in :func:`tensors_of` order, and other leaves copied."""
+    """``state`` with its tensors replaced, in :func:`tensors_of` order, and other leaves copied.
+
+    A DTensor becomes a DTensor over the staged host block with the original's mesh and
+    placements, left on the host (``DTensor.from_local`` would move it back to the mesh's
+    device); DCP's own stager builds its host copies the same way.
+    """
     it = iter(tensors)
-    return map_tensors(state, lambda _: next(it), copy.deepcopy)
+
+    def replace(t: torch.Tensor) -> torch.Tensor:
+        staged = next(it)
+        if not is_dtensor(t):
+            return staged
+        from torch.distributed.tensor import DTensor
+
+        return DTensor(staged, t._spec, requires_grad=False)
+
+    return map_tensors(state, replace, copy.deepcopy)
 
 
 def _layout(leaves: list[torch.Tensor]) -> tuple:

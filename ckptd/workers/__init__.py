@@ -6,6 +6,7 @@ coordinator lists them in the step's manifest without reading them back. Snapsho
 training thread first (:func:`snapshot`); the writers run in the background.
 """
 
+from ckptd.workers.dtensor import ShardedState, sharded_state
 from ckptd.workers.hf import save_hf_model
 from ckptd.workers.lora import save_lora_adapter
 from ckptd.workers.sharded import Shard, export_hf, save_sharded, shard_dim0
@@ -19,6 +20,7 @@ from ckptd.workers.training_state import (
 
 __all__ = [
     "RunningState",
+    "ShardedState",
     "Shard",
     "TrainingState",
     "capture_training_state",
@@ -29,5 +31,6 @@ __all__ = [
     "save_training_state",
     "select_prefix",
     "shard_dim0",
+    "sharded_state",
     "snapshot",
 ]

@@ -27,13 +27,7 @@ from ckptd.errors import CorruptCheckpointError
 from ckptd.manifest import FileEntry
 from ckptd.storage import Storage
 from ckptd.workers.files import mismatch, read_verified
-
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+from ckptd.workers.safetensors_io import DTYPE_NAMES
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -111,7 +105,7 @@ def tensors_of(data, path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
     layout = []
     for key, info in header.items():
         try:
-            dtype = _ST_DTYPES[info["dtype"]]
+            dtype = DTYPE_NAMES[info["dtype"]]
             shape = [int(d) for d in info["shape"]]
             start, stop = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:

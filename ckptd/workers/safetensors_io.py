@@ -26,6 +26,8 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+#: safetensors' dtype names -> torch dtypes.
+DTYPE_NAMES: dict[str, torch.dtype] = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -17,7 +17,6 @@ shape first, then copies on several threads, so a refused load leaves the model 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import posixpath
@@ -32,6 +31,7 @@ from ckptd.manifest import FileEntry
 from ckptd.storage import Storage
 from ckptd.verify import CommittedStep
 from ckptd.workers import hf, lora, sharded
+from ckptd.workers.dtensor import OPTIM_PREFIX
 from ckptd.workers.files import load_json, load_torch
 from ckptd.workers.mapped import map_verified, pool, read_safetensors
 from ckptd.workers.training_state import DATA, PER_RANK
@@ -331,26 +331,21 @@ class _Reader:
 
     def sharded(self) -> dict[str, list[Piece]]:
         meta = self.json(sharded.METADATA)
-        if meta.get("format") != sharded.FORMAT:
-            raise CorruptCheckpointError(f"{self.base}/{sharded.METADATA}: not a ckptd sharded directory")
+        layout = sharded.Layout.of(meta, f"{self.base}/{sharded.METADATA}")
         out: dict[str, list[Piece]] = {}
-        for rank in range(int(meta["world_size"])):
-            name = sharded.shard_name(rank)
+        for name in layout.files:
             path = f"{self.base}/{name}"
             tensors, st_meta = read_safetensors(self.storage, path, self.entry(name))
-            try:
-                info = json.loads(st_meta.get(sharded.PIECES_KEY, "{}"))
-            except json.JSONDecodeError as e:
-                raise CorruptCheckpointError(f"{path}: unreadable piece metadata ({e})") from e
             for key, t in tensors.items():
-                if key not in info:
-                    raise CorruptCheckpointError(f"{path}: tensor {key!r} has no piece metadata")
-                offsets, shape = tuple(info[key]["offsets"]), tuple(info[key]["global_shape"])
-                if len(offsets) != t.dim() or len(shape) != t.dim() or any(
-                        o < 0 or o + n > g for o, n, g in zip(offsets, t.shape, shape, strict=True)):
-                    raise CorruptCheckpointError(f"{path}: piece of {key!r} does not fit its tensor {shape}")
+                if key.startswith(OPTIM_PREFIX):
+                    continue  # optimizer moments saved with the weights (sharded_state): not weights
+                offsets, shape = layout.piece(key, t, st_meta, path)
                 out.setdefault(key, []).append(Piece(t, offsets, shape))
-        short = [k for k, ps in out.items() if not _covers(ps)]
+        shapes = {k: v for k, v in layout.shapes.items() if not k.startswith(OPTIM_PREFIX)}
+        for key, shape in shapes.items():
+            if key not in out and 0 in shape:  # an empty tensor has no piece anywhere
+                out[key] = [Piece(torch.empty(shape), (0,) * len(shape), shape)]
+        short = [k for k, ps in out.items() if not _covers(ps)] + sorted(set(shapes) - set(out))
         if short:
             raise CorruptCheckpointError(f"{self.base}: the shards do not cover tensors {short[:5]} exactly")
         return out

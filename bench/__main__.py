@@ -3,6 +3,7 @@
     python -m bench                      # the full run: 1 GiB saves, 5 repetitions
     python -m bench --smoke              # tiny sizes, 1 repetition: checks that it runs
     python -m bench --only P1,P2 --size-mib 256
+    python -m bench --only P8 --reps 9      # FSDP2 on 2 Ray actors against dcp.save / async_save
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ TARGETS = {
     "P5 ckptd peak RSS / state": 2.2,
     "P7 subscriber latency p50 (ms)": 20.0,
     "P7 ckptd load_into / load_file+load_state_dict": 1.2,
+    "P8 ckptd fenced blocked / dcp.async_save": 0.5,
+    "P8 ckptd eager blocked / dcp.async_save": 0.5,
+    "P8 ckptd durable / dcp.save": 1.1,
 }
 
 
@@ -75,6 +79,17 @@ def checks(rows: list[Row]) -> dict[str, dict]:
     st = _find(rows, "P7 verified load", "safetensors load_file + load_state_dict")
     if ck and st:
         add("P7 ckptd load_into / load_file+load_state_dict", ck.median / st.median)
+    dcp_async = _find(rows, "P8 FSDP2 blocked", "dcp.async_save")
+    for method, name in (("ckptd fenced", "P8 ckptd fenced blocked / dcp.async_save"),
+                         ("ckptd eager", "P8 ckptd eager blocked / dcp.async_save")):
+        r = _find(rows, "P8 FSDP2 blocked", method)
+        if r and dcp_async:
+            add(name, r.median / dcp_async.median)
+    # ckptd's durable time is the slower of its two modes: both must meet the target.
+    ck = [r for m in ("ckptd fenced", "ckptd eager") if (r := _find(rows, "P8 FSDP2 durable", m))]
+    st = _find(rows, "P8 FSDP2 durable", "dcp.save")
+    if ck and st:
+        add("P8 ckptd durable / dcp.save", max(r.median for r in ck) / st.median)
     return out
 
 
@@ -94,7 +109,7 @@ def table(rows: list[Row], targets: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7", help="comma-separated scenarios")
+    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7,P8", help="comma-separated scenarios")
     p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P2, P5 and P7")
     p.add_argument("--reps", type=int, default=5, help="repetitions per method (medians reported)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size")
@@ -105,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-steps", type=int, default=50, help="P4 steps")
     p.add_argument("--mirror-mib", type=int, default=256, help="P6 step size")
     p.add_argument("--versions", type=int, default=100, help="P7 weight versions committed")
+    p.add_argument("--fsdp-hidden", type=int, default=512, help="P8 model width")
+    p.add_argument("--fsdp-layers", type=int, default=8, help="P8 model depth")
+    p.add_argument("--fsdp-vocab", type=int, default=16384, help="P8 vocabulary")
     p.add_argument("--dir", default=None, help="scratch directory (default: the system temp dir)")
     p.add_argument("--json", default="bench/results.json", help="where to write the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and 1 repetition")
@@ -114,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         args.train_steps, args.ckpt_every, args.width = 4, 2, 256
         args.workers, args.units, args.scale_steps = 8, 2, 3
         args.mirror_mib, args.versions = 4, 5
+        args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab = 64, 2, 512
     else:
         args.width = 2048
     only = {s.strip().upper() for s in args.only.split(",")}
@@ -137,28 +156,44 @@ def main(argv: list[str] | None = None) -> int:
                 rows += p3_training(h, args.model_mib, args.train_steps, args.ckpt_every, args.reps, args.width)
         finally:
             h.close()
-    if "P4" in only:
+    def p4():
         from .monitor_scale import p4_monitor
 
-        rows += p4_monitor(args.dir, args.workers, args.units, args.scale_steps)
-    if "P5" in only:
+        return p4_monitor(args.dir, args.workers, args.units, args.scale_steps)
+
+    def p5():
         from .rss import p5_rss
 
-        rows += p5_rss(args.size_mib, args.dir, max(1, min(args.reps, 3)))
-    if "P6" in only:
+        return p5_rss(args.size_mib, args.dir, max(1, min(args.reps, 3)))
+
+    def p6():
         from .mirror import p6_mirror
 
-        rows += p6_mirror(args.mirror_mib, max(1, min(args.reps, 3)), args.dir)
-    if "P7" in only:
+        return p6_mirror(args.mirror_mib, max(1, min(args.reps, 3)), args.dir, warm_up=not args.smoke)
+
+    def p7():
         from .rollout import p7_rollout
 
-        rows += p7_rollout(args.dir, args.versions, args.size_mib, args.reps)
+        return p7_rollout(args.dir, args.versions, args.size_mib, args.reps)
+
+    def p8():
+        from .fsdp import p8_fsdp
+
+        return p8_fsdp(args.dir, args.reps, args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab)
+
+    seconds = {"P1-P3": time.time() - started}
+    for name, fn in (("P4", p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8)):
+        if name in only:
+            t0 = time.time()
+            rows += fn()
+            seconds[name] = time.time() - t0
+            print(f"{name}: {seconds[name]:.1f} s", file=sys.stderr)
     targets = checks(rows)
     print(table(rows, targets))
     result = {
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *(argv or sys.argv[1:])]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "started_at": started, "seconds": time.time() - started,
+        "started_at": started, "seconds": time.time() - started, "scenario_seconds": seconds,
         "rows": [r.to_json() for r in rows], "targets": targets,
     }
     if args.json:

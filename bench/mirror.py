@@ -19,7 +19,7 @@ import ckptd
 from .common import MiB, Row, make_state, timed
 
 
-def p6_mirror(size_mib: int, reps: int, scratch: str | None) -> list[Row]:
+def p6_mirror(size_mib: int, reps: int, scratch: str | None, warm_up: bool = True) -> list[Row]:
     try:
         from tests.s3server import S3Server  # the test extra: moto's server and s3fs
     except ImportError as e:
@@ -37,7 +37,8 @@ def p6_mirror(size_mib: int, reps: int, scratch: str | None) -> list[Row]:
         "put": Row("P6 mirror", "s3fs put of the same files, unverified", "s", note=note),
     }
     try:
-        for rep in range(reps + 1):  # the first round warms up the server and the clients
+        first = 0 if warm_up else 1
+        for rep in range(first, reps + 1):  # round 0 warms up the server and the clients
             for mode in ("checksum", "size", "put"):
                 bucket = server.new_bucket()
                 root = f"{base}/{mode}-{rep}"

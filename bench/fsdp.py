@@ -53,10 +53,8 @@ class P8Rank(FSDPTrainer):
             fenced = method == "ckptd fenced"
             if self.rank == 0:
                 self.coord.register(step, checkpoint_thread_count=self.world_size)
-            state = sharded_state(self.model, self.optimizer)
             out = f"{self.coord.step_dir(step)}/model"
-            self.coord.save_state_async("p8", state.tensors, step, lambda snap: state.write(out, snap),
-                                        fenced=fenced)
+            sharded_state(self.model, self.optimizer).save(self.coord, "p8", step, out, fenced=fenced)
             blocked = time.perf_counter() - t0
             self._compute()
             if fenced:

@@ -17,12 +17,14 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpointing on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small model on 2 Ray workers, saving through ckptd")
+    demo = sub.add_parser("demo", help="train a tiny Llama with FSDP2 on 2 Ray actors (gloo), saving through "
+                                       "ckptd; then resume it on 3 ranks, load it with DCP, export it to HF")
     demo.add_argument("--root", default=None,
                       help="checkpoint root (default: ./ckptd-demo/<timestamp>)")
-    demo.add_argument("--steps", type=_positive, default=30)
+    demo.add_argument("--steps", type=_positive, default=20)
     demo.add_argument("--ckpt-every", type=_positive, default=5)
-    demo.add_argument("--workers", type=_positive, default=2)
+    demo.add_argument("--workers", type=_positive, default=2, help="ranks (the global batch of 12 must divide)")
+    demo.add_argument("--resume-on", type=_positive, default=3, help="ranks to resume the last checkpoint on")
     demo.add_argument("--rl", action="store_true",
                       help="the RL demo: a trainer publishes weights every step, 2 rollout actors follow them")
     status = sub.add_parser("status", help="show a live run's monitor: trackers, steps in flight, subscribers "
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
             served = run_rl_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, ranks=args.workers)
             return 0 if served == args.steps else 1
-        latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers)
+        latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers,
+                               resume_on=args.resume_on)
         return 0 if latest_step is not None or args.steps < args.ckpt_every else 1
     if args.command == "verify":
         from ckptd.errors import CheckpointError

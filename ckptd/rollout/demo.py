@@ -1,6 +1,6 @@
 """The RL demo (``ckptd demo --rl``): a trainer publishes weights, rollout workers follow them.
 
-A trainer of 2 ranks (the plain demo's ``TrainWorker``) publishes its weights every step (a
+A trainer of 2 ranks (a small MLP, :class:`TrainWorker`) publishes its weights every step (a
 state-dict save of each rank's shard) and a full checkpoint every few steps. Two rollout actors
 follow the versions through a :class:`~ckptd.WeightSubscriber`: woken by the monitor when a
 version commits, they open it (a read lease keeps retention off it), load it verified into their
@@ -21,7 +21,83 @@ import ray
 import torch
 
 import ckptd
-from ckptd.workers.demo import MODEL_DIR, TrainWorker, make_model
+from ckptd.workers import capture_training_state, save_sharded, save_training_state, shard_dim0, snapshot
+
+STEPS_PER_EPOCH = 10
+MODEL_DIR = "model"
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    blocked_ms: float  # how long training waited for save_async (snapshot included)
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+
+
+class TrainWorker:
+    """One rank of a small MLP regression job (pure torch, CPU).
+
+    Every rank trains the same replica on the same data, which is what data parallelism with
+    all-reduced gradients amounts to, without the process group; each rank saves its own
+    FSDP-style shard of it.
+    """
+
+    def __init__(self, run: str, rank: int, world_size: int, seed: int = 0) -> None:
+        torch.manual_seed(seed)  # same init on every rank, as data parallelism requires
+        torch.set_num_threads(1)
+        self.rank, self.world_size = rank, world_size
+        self.model = make_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1000)
+        self.x = torch.randn(512, 256, generator=gen)
+        self.y = torch.sin(self.x)
+        self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id=f"rank{rank}")
+        self.save_seconds: list[float] = []
+
+    def _timed(self, fn):
+        """The save function runs in the save thread; time it there."""
+        def run():
+            t0 = time.perf_counter()
+            written = fn()
+            self.save_seconds.append(time.perf_counter() - t0)
+            return written
+        return run
+
+    def train_step(self, step: int, full_checkpoint: bool) -> StepReport:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+        t0 = time.perf_counter()
+        # Snapshot before training goes on: the optimizer changes these tensors in place.
+        shards = shard_dim0(snapshot(self.model.state_dict()), self.rank, self.world_size)
+        out = self.coord.step_dir(step)
+        self.coord.save_async(
+            "weights",
+            self._timed(lambda: save_sharded(f"{out}/{MODEL_DIR}", shards, rank=self.rank,
+                                             world_size=self.world_size)),
+            step, is_state_dict=True,
+        )
+        if full_checkpoint:
+            state = capture_training_state(
+                epoch=(step - 1) // STEPS_PER_EPOCH, step=step, step_in_epoch=(step - 1) % STEPS_PER_EPOCH + 1,
+                steps_per_epoch=STEPS_PER_EPOCH, batch_size=len(self.x), rank=self.rank,
+                world_size=self.world_size, optimizer=self.optimizer,
+            )
+            self.coord.save_async("train_state", self._timed(lambda: save_training_state(out, state)), step)
+        return StepReport(step, float(loss), (time.perf_counter() - t0) * 1000)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def finish(self) -> list[float]:
+        self.coord.wait_all()
+        return self.save_seconds
 
 
 @dataclass

@@ -1,18 +1,24 @@
-"""The demo job: two training-worker actors saving through ckptd while they train.
+"""The demo job (``ckptd demo``): a real FSDP2 training job on Ray actors, saving through ckptd.
 
-Every step each rank publishes its shard of the weights (a state-dict save, as an RL trainer
-does for its rollout workers); every few steps it also saves a full checkpoint (its optimizer
-and RNG state, plus where training stands). The driver registers each step's units; the monitor
-commits a step when all of them have finished and applies retention. At the end the driver
-resumes a fresh model from the newest checkpoint and checks it against the trained one.
+Two rank actors form a gloo process group and train a tiny Llama sharded with ``fully_shard``
+(AdamW, warm-up schedule, a synthetic dataset). Every step each rank publishes its block of the
+weights (a state-dict save); every few steps it saves a full checkpoint: its blocks of the model
+and of the optimizer's moments, staged in the background while the next forward and backward
+run (fenced), plus the schedule, RNG and data position. Nothing is gathered on any rank. The
+monitor commits a step when every rank's units have finished, and applies retention.
+
+At the end the job is resumed on three ranks from the newest checkpoint, re-sharded, and must
+hold exactly what the two ranks held and train on with the same losses; DCP's own
+``HuggingFaceStorageReader`` loads the same files; and a Ray task exports the checkpoint to
+HuggingFace format, which ``transformers`` loads with the same outputs.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
 
 import ray
 import torch
@@ -21,140 +27,99 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import scan_steps
 from ckptd.storage import Storage
-from ckptd.workers import capture_training_state, save_sharded, save_training_state, shard_dim0, snapshot
+from ckptd.workers.export import export_hf_async
+from ckptd.workers.fsdp_job import MODEL_DIR, FSDPJob, tiny_llama_config
 
-STEPS_PER_EPOCH = 10
-MODEL_DIR = "model"
-
-
-@dataclass
-class StepReport:
-    step: int
-    loss: float
-    blocked_ms: float  # how long training waited for save_async (snapshot included)
+LOSS_RTOL = 1e-5
 
 
-def make_model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+def _commit_step(job: FSDPJob, full: bool) -> int:
+    return ray.get(job.actors[0].register.remote(2 if full else 1, not full))
 
 
-class TrainWorker:
-    """One rank of a small MLP regression job (pure torch, CPU).
-
-    Every rank trains the same replica on the same data, which is what data parallelism with
-    all-reduced gradients amounts to, without the process group; each rank saves its own
-    FSDP-style shard of it.
-    """
-
-    def __init__(self, run: str, rank: int, world_size: int, seed: int = 0) -> None:
-        torch.manual_seed(seed)  # same init on every rank, as data parallelism requires
-        torch.set_num_threads(1)
-        self.rank, self.world_size = rank, world_size
-        self.model = make_model()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(1000)
-        self.x = torch.randn(512, 256, generator=gen)
-        self.y = torch.sin(self.x)
-        self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id=f"rank{rank}")
-        self.save_seconds: list[float] = []
-
-    def _timed(self, fn):
-        """The save function runs in the save thread; time it there."""
-        def run():
-            t0 = time.perf_counter()
-            written = fn()
-            self.save_seconds.append(time.perf_counter() - t0)
-            return written
-        return run
-
-    def train_step(self, step: int, full_checkpoint: bool) -> StepReport:
-        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-
-        t0 = time.perf_counter()
-        # Snapshot before training goes on: the optimizer changes these tensors in place.
-        shards = shard_dim0(snapshot(self.model.state_dict()), self.rank, self.world_size)
-        out = self.coord.step_dir(step)
-        self.coord.save_async(
-            "weights",
-            self._timed(lambda: save_sharded(f"{out}/{MODEL_DIR}", shards, rank=self.rank,
-                                             world_size=self.world_size)),
-            step, is_state_dict=True,
-        )
-        if full_checkpoint:
-            state = capture_training_state(
-                epoch=(step - 1) // STEPS_PER_EPOCH, step=step, step_in_epoch=(step - 1) % STEPS_PER_EPOCH + 1,
-                steps_per_epoch=STEPS_PER_EPOCH, batch_size=len(self.x), rank=self.rank,
-                world_size=self.world_size, optimizer=self.optimizer,
-            )
-            self.coord.save_async("train_state", self._timed(lambda: save_training_state(out, state)), step)
-        return StepReport(step, float(loss), (time.perf_counter() - t0) * 1000)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
-
-    def finish(self) -> list[float]:
-        self.coord.wait_all()
-        return self.save_seconds
-
-
-def run_demo(root: str, steps: int = 30, ckpt_every: int = 5, workers: int = 2, keep: int = 2) -> int | None:
+def run_demo(root: str, steps: int = 20, ckpt_every: int = 5, workers: int = 2, keep: int = 2,
+             resume_on: int = 3) -> int | None:
     """Run the demo job; return the latest committed full checkpoint step."""
     started = time.perf_counter()
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     run = f"demo-{os.getpid()}"
     monitor = ckptd.start_monitor(root, run=run, max_ckpt_to_keep=keep, max_state_dict_to_keep=keep)
     root = ray.get(monitor.worker_config.remote())["root"]
-    actor = ray.remote(num_cpus=1)(TrainWorker)
-    ranks = [actor.remote(run, r, workers) for r in range(workers)]
-    trainer = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+    job = FSDPJob(workers, run=run)
+    driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
 
-    rows = []
+    rows, reference, after = [], {}, []
     for step in range(1, steps + 1):
         full = step % ckpt_every == 0
-        reports = ray.get([w.train_step.remote(step, full) for w in ranks])
-        trainer.register(step, is_state_dict=not full, state_dict_thread_count=workers,
-                         checkpoint_thread_count=workers if full else 0)
-        rows.append((step, full, reports))
-    save_seconds = [s for r in ray.get([w.finish.remote() for w in ranks]) for s in r]
-    trainer.wait_committed(steps, is_state_dict=True, timeout_s=60)
+        loss = job.call("train", 1)[0][0]
+        job.call("save" if full else "save_weights", **({"fenced": True} if full else {}))
+        _commit_step(job, full)
+        rows.append((step, full, loss))
+        if full and step == steps - steps % ckpt_every:
+            reference = job.call("full_state")[0]
+    job.call("wait_saves")
+    blocked = [b for per_rank in job.call("blocked_ms") for b in per_rank]
     last_full = steps - steps % ckpt_every
+    driver.wait_committed(steps, is_state_dict=True, timeout_s=120)
     if last_full:
-        trainer.wait_committed(last_full, timeout_s=60)
+        driver.wait_committed(last_full, timeout_s=120)
     ray.get(monitor.wait_retention.remote(60))
     status = ray.get(monitor.status.remote())
 
-    print(f"{'step':>5} {'saved':<18} {'loss':>9} {'blocked ms (max of ranks)':>26} {'committed':>10}")
-    for step, full, reports in rows:
+    print(f"FSDP2 tiny Llama on {workers} Ray actors (gloo), weights every step, full checkpoint every {ckpt_every}")
+    print(f"{'step':>5} {'saved':<18} {'loss':>9} {'committed':>10}")
+    for step, full, loss in rows:
         st = status.step(step, Kind.CHECKPOINT if full else Kind.STATE_DICT)
         done = "-" if st is None else ("yes" if st.committed else st.state.value)
-        print(f"{step:>5} {'weights+checkpoint' if full else 'weights':<18} {reports[0].loss:>9.5f} "
-              f"{max(r.blocked_ms for r in reports):>26.2f} {done:>10}")
-    blocked = [r.blocked_ms for _, _, reports in rows for r in reports]
+        print(f"{step:>5} {'weights+checkpoint' if full else 'weights':<18} {loss:>9.5f} {done:>10}")
     kept = sorted(scan_steps(Storage(root)))
     print()
-    print(f"steps trained:              {steps} on {workers} workers, full checkpoint every {ckpt_every}")
-    print(f"training blocked per save:  median {statistics.median(blocked):.2f} ms, max {max(blocked):.2f} ms")
-    print(f"background save duration:   median {statistics.median(save_seconds) * 1000:.1f} ms, "
-          f"max {max(save_seconds) * 1000:.1f} ms ({len(save_seconds)} saves)")
+    print(f"training blocked per save:  median {statistics.median(blocked):.2f} ms, max {max(blocked):.2f} ms "
+          f"(every rank, every save; nothing gathered)")
     print(f"kept after retention:       steps {kept} (max {keep} checkpoints, {keep} state dicts)")
     latest = ckptd.latest_step(root)
     print(f"latest checkpoint:          {latest} -> {ckptd.step_dir(root, latest) if latest is not None else '-'}")
     print(f"latest state dict:          {ckptd.latest_step(root, 'state_dict')}")
     if latest is not None:
         ckptd.verify(root, latest)
-        fresh, optimizer = make_model(), None
-        optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-        state = ckptd.resume(root, model=fresh, optimizer=optimizer, model_dir=MODEL_DIR, world_size=workers)
-        same = "n/a (trained past it)"
         if latest == steps:
-            trained = ray.get(ranks[0].weights.remote())
-            same = "yes" if all(torch.equal(v, trained[k]) for k, v in fresh.state_dict().items()) else "NO"
-        print(f"resume:                     step {state.step}, epoch {state.epoch}, step in epoch "
-              f"{state.step_in_epoch}; verified; weights equal rank 0's: {same}")
+            after = job.call("train", 2)[0]
+        job.teardown()
+        _resumed(root, latest, job, resume_on, run, reference, after)
     print(f"wall time:                  {time.perf_counter() - started:.1f} s")
+    job.teardown()
     ray.kill(monitor, no_restart=True)
     return latest
+
+
+def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, reference: dict, after: list) -> None:
+    """Resume on ``world`` ranks, read the step with DCP, export it to HF; print what matched."""
+    job = FSDPJob(world, actors=old.actors, run=run)
+    state = job.call("resume", root)[0]
+    same = not [k for k, v in reference.items() if not torch.equal(v, job.call("full_state")[0][k])]
+    losses = job.call("train", 2)[0] if after else []
+    match = "n/a" if not after else ("yes" if all(
+        abs(a - b) <= LOSS_RTOL * abs(b) for a, b in zip(losses, after, strict=True)) else "NO")
+    print(f"resume on {world} ranks:          step {state['step']}, epoch {state['epoch']}, "
+          f"{state['consumed']} samples consumed; model and AdamW state equal the {len(old.actors)} ranks': "
+          f"{'yes' if same else 'NO'}; next losses match: {match}")
+    step_dir = ckptd.step_dir(root, latest)
+    fresh = FSDPJob(world, actors=job.actors)
+    fresh.call("load_with_dcp", f"{step_dir}/{MODEL_DIR}")
+    dcp_same = not [k for k, v in fresh.call("full_state")[0].items()
+                    if not k.startswith(("optim.", "lr")) and not torch.equal(v, reference[k])]
+    print(f"dcp.load (HuggingFaceStorageReader) on {world} ranks: weights equal: {'yes' if dcp_same else 'NO'}")
+    ids = torch.arange(16).reshape(1, 16) % 96
+    logits = fresh.call("logits", ids)[0]
+    fresh.teardown()
+    out = tempfile.mkdtemp(prefix="ckptd-demo-hf-")
+    t0 = time.perf_counter()
+    ray.get(export_hf_async(root, latest, out, tiny_llama_config().to_dict()))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        hf_logits = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits
+    close = torch.allclose(hf_logits, logits, rtol=1e-5, atol=1e-5)
+    print(f"HF export (Ray task):       {out} in {time.perf_counter() - t0:.1f} s; from_pretrained outputs equal "
+          f"the FSDP2 model's: {'yes' if close else 'NO'}")

@@ -158,6 +158,21 @@ class ShardedState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def save(self, coord: Any, name: str, step: int, out_dir: str, *, fenced: bool = False,
+             is_state_dict: bool = False, storage_options: dict | None = None) -> None:
+        """Stage :attr:`tensors` and write them in the background as one save unit of ``coord``.
+
+        A rank with nothing to write (a replica whose blocks another rank writes) still runs its
+        unit, writing an empty shard file, so every rank's unit counts toward the step.
+        """
+        def write(staged: Mapping[str, torch.Tensor] | None) -> list[WrittenFile]:
+            return self.write(out_dir, staged, storage_options=storage_options)
+
+        if self.tensors:
+            coord.save_state_async(name, self.tensors, step, write, is_state_dict=is_state_dict, fenced=fenced)
+        else:
+            coord.save_async(name, lambda: write({}), step, is_state_dict=is_state_dict)
+
     def write(self, out_dir: str, snapshot: Mapping[str, torch.Tensor] | None = None, *,
               storage_options: dict | None = None) -> list[WrittenFile]:
         """Write this rank's shard file (and on rank 0 the metadata and optimizer groups).
@@ -192,12 +207,10 @@ def sharded_state(
     """This rank's blocks of the model's state dict and of the optimizer's state.
 
     Call it on the training thread after the optimizer step (it is cheap: no copy, no
-    collective), then stage and write with ``coord.save_state_async``::
+    collective), then stage and write it in the background::
 
-        state = sharded_state(model, optimizer)
-        out = f"{coord.step_dir(step)}/model"
-        coord.save_state_async("shards", state.tensors, step, lambda snap: state.write(out, snap),
-                               fenced=True)
+        sharded_state(model, optimizer).save(coord, "shards", step, f"{coord.step_dir(step)}/model",
+                                             fenced=True)
 
     Args:
         model: An ``nn.Module`` whose parameters may be DTensors (``fully_shard``).

@@ -84,8 +84,13 @@ class FSDPTrainer:
         return free_port()
 
     def setup(self, rank: int, world_size: int, port: int, *, run: str | None = None, seed: int = 0,
-              global_batch: int = 12, lr: float = 3e-3, warmup: int = 4, config: dict | None = None) -> None:
-        """Join the process group and build the sharded model, optimizer and schedule."""
+              global_batch: int = 12, lr: float = 3e-3, warmup: int = 4, config: dict | None = None,
+              replicas: int = 1) -> None:
+        """Join the process group and build the sharded model, optimizer and schedule.
+
+        ``replicas > 1`` shards over a 2-D mesh (HSDP): ``replicas`` copies, each sharded over
+        ``world_size // replicas`` ranks.
+        """
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaForCausalLM
 
@@ -98,9 +103,14 @@ class FSDPTrainer:
         torch.manual_seed(seed)  # the same initial weights on every rank
         self.config = tiny_llama_config(**(config or {}))
         self.model = LlamaForCausalLM(self.config)
+        mesh = None
+        if replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
         for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.data = dataset()
@@ -167,8 +177,7 @@ class FSDPTrainer:
         t0 = time.perf_counter()
         step, out = self.step, self.coord.step_dir(self.step)
         state = sharded_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size)
-        self.coord.save_state_async("shards", state.tensors, step,
-                                    lambda snap: state.write(f"{out}/{MODEL_DIR}", snap), fenced=fenced)
+        state.save(self.coord, "shards", step, f"{out}/{MODEL_DIR}", fenced=fenced)
         last = self.consumed - self.global_batch  # where the last trained batch started
         training = capture_training_state(
             epoch=last // SAMPLES, step=step, step_in_epoch=(last % SAMPLES) // self.global_batch + 1,
@@ -205,10 +214,27 @@ class FSDPTrainer:
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
         self.model.load_state_dict(state)
 
-    def register(self, units_per_rank: int = 2) -> int:
-        """Rank 0 registers the current step's units of every rank (one call for the whole job)."""
-        self.coord.register(self.step, checkpoint_thread_count=units_per_rank * self.world_size)
+    def save_weights(self) -> None:
+        """Publish this rank's block of the weights of step ``self.step`` (a state-dict save)."""
+        t0 = time.perf_counter()
+        step, out = self.step, self.coord.step_dir(self.step)
+        state = sharded_state(self.model, rank=self.rank, world_size=self.world_size)
+        state.save(self.coord, "weights", step, f"{out}/{MODEL_DIR}", is_state_dict=True)
+        self._blocked(time.perf_counter() - t0)
+
+    def register(self, units_per_rank: int = 2, state_dict: bool = False) -> int:
+        """Rank 0 registers the current step's units of every rank (one call for the whole job):
+        a full checkpoint (:meth:`save`: 2 units per rank) or a state dict (:meth:`save_weights`)."""
+        count = units_per_rank * self.world_size
+        if state_dict:
+            self.coord.register(self.step, is_state_dict=True, state_dict_thread_count=count)
+        else:
+            self.coord.register(self.step, checkpoint_thread_count=count)
         return self.step
+
+    def blocked_ms(self) -> list[float]:
+        """How long each save held up this rank's training thread."""
+        return [t.blocked_s * 1000 for t in self.timings]
 
     def wait_saves(self) -> None:
         self.coord.wait_all()

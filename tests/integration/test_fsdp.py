@@ -37,11 +37,11 @@ def job_factory(trainers, make_monitor, tmp_path, run_name):
     monitor = make_monitor(root)
     jobs = []
 
-    def job(world_size: int, actors=None) -> FSDPJob:
+    def job(world_size: int, actors=None, **setup) -> FSDPJob:
         for j in jobs:
             j.teardown()
         jobs.clear()
-        jobs.append(FSDPJob(world_size, actors=actors or trainers, run=run_name))
+        jobs.append(FSDPJob(world_size, actors=actors or trainers, run=run_name, **setup))
         return jobs[0]
 
     job.root, job.monitor = root, monitor
@@ -94,8 +94,9 @@ def test_a_2_rank_checkpoint_resumes_on_2_3_and_4_ranks_with_its_optimizer(saved
     assert curves[3] == pytest.approx(straight[3:], rel=LOSS_RTOL)
 
 
-def test_a_4_rank_checkpoint_resumes_on_2(job_factory):
-    job = job_factory(4)
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp-2x2"])
+def test_a_4_rank_checkpoint_resumes_on_2(job_factory, replicas):
+    job = job_factory(4, replicas=replicas)  # HSDP: two replicas, each sharded over 2 ranks
     job.call("train", 2)
     job.call("save")
     commit(job, job_factory.monitor)

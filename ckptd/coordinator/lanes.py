@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -10,6 +11,8 @@ from typing import Any
 
 from ckptd.protocol import UnitId
 from ckptd.threads import lower_priority
+
+log = logging.getLogger("ckptd.coordinator")
 
 
 @dataclass
@@ -34,5 +37,9 @@ class Lane:
                 if job is None:
                     return
                 run(job)
+            except BaseException:
+                # run() reports every failure itself; what still escapes (an interrupt) must not
+                # end the thread, or later saves of this name would wait forever.
+                log.exception("save thread %s: a unit ended abnormally", threading.current_thread().name)
             finally:
                 self.queue.task_done()

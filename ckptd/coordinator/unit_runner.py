@@ -70,6 +70,14 @@ class UnitRunner:
                                           {"files": [f.model_dump() for f in files], "found": found}))
         except Exception as e:
             return self._report_failure(unit, e)
+        except BaseException as e:
+            # Not an Exception, and yet the save failed: DCP's CheckpointException, a save_fn
+            # that calls sys.exit, Ctrl-C during save_sync. The step must hear of it; an
+            # interrupt then goes on up the thread it hit.
+            err = self._report_failure(unit, e)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            return err
         finally:
             with self._lock:
                 self._held.pop(slot, None)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptd.errors import CheckpointConfigError
+from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.workers import sharded
@@ -63,9 +63,23 @@ class CkptdStorageWriter(StorageWriter):
         """``dcp.save(state_dict, storage_writer=self, ...)``; return what this rank wrote (a save
         unit's ``save_fn`` returns it, so ckptd lists the files without reading them back)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         self.written = []
-        dcp.save(state_dict, storage_writer=self, process_group=process_group, **kwargs)
+        try:
+            dcp.save(state_dict, storage_writer=self, process_group=process_group, **kwargs)
+        except CheckpointException as e:
+            # DCP wraps every rank's failure in a BaseException, which a save unit (and most
+            # callers' ``except Exception``) would not see as a failure: hand on the first cause.
+            failures = sorted(e.failures.items())
+            cause = failures[0][1][0] if failures else e
+            what = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures[:4])
+            err_type = type(cause) if isinstance(cause, CheckpointError) else CheckpointError
+            try:
+                err = err_type(f"dcp.save failed ({what})")
+            except TypeError:  # an error type with other constructor arguments
+                err = CheckpointError(f"dcp.save failed ({what})")
+            raise err from cause
         return list(self.written)
 
     # -- StorageWriter ------------------------------------------------------------------------

@@ -63,11 +63,29 @@ class ShardedCheckpoint:
         meta = self._json(sharded.METADATA)
         self.layout = sharded.Layout.of(meta, f"{self.base}/{sharded.METADATA}")
         self.blocks: dict[str, list[_Block]] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.read_files: list[str] = []
         for name in self.layout.files:
             for key, block in self._header_blocks(name):
                 self.blocks.setdefault(key, []).append(block)
-        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
-        self.read_files: list[str] = []
+        self._check_tiling()
+
+    def _check_tiling(self) -> None:
+        """Every tensor's blocks agree on dtype and global shape, and tile it exactly: a forged
+        header whose block overlaps another could otherwise hide a hole of the same size.
+
+        The headers are not verified yet, but a block read later is checked against its verified
+        file's header (:meth:`copies`), so a tiling that holds here holds for the data used."""
+        for key, blocks in self.blocks.items():
+            first = blocks[0]
+            odd = [b.file for b in blocks if b.dtype != first.dtype or b.global_shape != first.global_shape]
+            if odd or not sharded.tiles(first.global_shape, [(b.offsets, b.shape) for b in blocks]):
+                files = sorted({b.file for b in blocks})
+                for name in files:
+                    self._file(name)  # a file damaged after the commit is named as such
+                raise CorruptCheckpointError(
+                    f"{self.base}: the blocks of {key!r} in {files[:4]} do not tile a {first.dtype} tensor of "
+                    f"shape {first.global_shape} exactly (they overlap, leave a gap or disagree on dtype or shape)")
 
     def has(self, name: str) -> bool:
         return self.prefix + name in self.committed.files
@@ -133,7 +151,7 @@ class ShardedCheckpoint:
             if meet is None:
                 continue
             source = self._file(block.file).get(key)
-            if source is None or tuple(source.shape) != block.shape:
+            if source is None or tuple(source.shape) != block.shape or source.dtype != DTYPE_NAMES.get(block.dtype):
                 raise CorruptCheckpointError(f"{self.base}/{block.file}: tensor {key!r} differs from its header")
             into, of = meet
             out.append((into, source[of]))
@@ -181,11 +199,22 @@ def _optimizer_loader(ckpt: ShardedCheckpoint, model: torch.nn.Module, optimizer
             f"{ckpt.base} holds no optimizer state ({GROUPS_FILE} is missing); save it with "
             "sharded_state(model, optimizer), or leave optimizer=None")
     saved = ckpt._json(GROUPS_FILE)
+    where = f"{ckpt.base}/{GROUPS_FILE}"
     try:
         groups, scalars = saved["param_groups"], saved.get("scalars", {})
         saved_names = [list(g["params"]) for g in groups]
-    except (KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{ckpt.base}/{GROUPS_FILE}: unreadable ({e!r})") from e
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise TypeError("param_groups is not a list of objects")
+        if not isinstance(scalars, dict) or not all(
+                isinstance(v, dict) and all(_is_json_scalar(x) for x in v.values()) for v in scalars.values()):
+            raise TypeError("scalars is not an object of objects of numbers, strings or booleans")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: unreadable ({e})") from e
+    kind = saved.get("type")
+    if kind is not None and kind != type(optimizer).__name__:
+        raise CheckpointConfigError(
+            f"{where} holds the state of a {kind} optimizer, and this one is a {type(optimizer).__name__}; build "
+            f"a {kind}, or leave optimizer=None to start it fresh")
     names = parameter_names(model)
     ours = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
     if ours != saved_names:
@@ -215,16 +244,32 @@ def _optimizer_loader(ckpt: ShardedCheckpoint, model: torch.nn.Module, optimizer
         per_param.setdefault(name, {})[state_key] = t
     for fill in fills:  # into new tensors: nothing of the optimizer changes yet
         fill()
+    for name, values in scalars.items():
+        if name not in params:
+            raise CorruptCheckpointError(f"{where}: state of {name!r}, which is no parameter of the optimizer")
+        both = sorted(set(values) & set(per_param.get(name, {})))
+        if both:
+            raise CorruptCheckpointError(f"{where}: {name!r} has {both} both as tensors and as scalars")
+
+    # Everything is decided here, so that applying it cannot fail half-way.
+    states = {params[name]: {**per_param.get(name, {}), **scalars.get(name, {})}
+              for name in set(per_param) | set(scalars)}
+    settings = [{k: tuple(v) if isinstance(v, list) and isinstance(group.get(k), tuple) else v
+                 for k, v in saved_group.items() if k != "params"}
+                for group, saved_group in zip(optimizer.param_groups, groups, strict=True)]
 
     def apply() -> None:
         optimizer.state.clear()
-        for name, state in per_param.items():
-            optimizer.state[params[name]] = {**state, **scalars.get(name, {})}
-        for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
-            group.update({k: tuple(v) if isinstance(v, list) and isinstance(group.get(k), tuple) else v
-                          for k, v in saved_group.items() if k != "params"})
+        optimizer.state.update(states)
+        for group, values in zip(optimizer.param_groups, settings, strict=True):
+            group.update(values)
 
     return apply
+
+
+def _is_json_scalar(x: Any) -> bool:
+    return x is None or isinstance(x, (bool, int, float, str)) or (
+        isinstance(x, list) and all(_is_json_scalar(v) for v in x))
 
 
 def load_sharded_state(

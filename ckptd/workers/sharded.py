@@ -199,6 +199,33 @@ class Layout:
         return offsets, shape
 
 
+def tiles(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether blocks (offsets, shape) tile a tensor of ``shape``: as many elements as it has,
+    each inside it, and no two overlapping (so none is missing either)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    total = 0
+    for o, n in boxes:
+        size = 1
+        for d in n:
+            size *= d
+        total += size
+        if len(o) != len(shape) or len(n) != len(shape) or any(
+                a < 0 or a + b > g for a, b, g in zip(o, n, shape, strict=True)):
+            return False
+    if total != numel:
+        return False
+    boxes = [(o, n) for o, n in boxes if all(n)]
+    split = {d for o, n in boxes for d in range(len(shape)) if o[d] != 0 or n[d] != shape[d]}
+    if len(split) <= 1:  # cut along one dimension (FSDP's dim 0): consecutive intervals must not overlap
+        d = split.pop() if split else 0
+        spans = sorted((o[d], o[d] + n[d]) for o, n in boxes) if shape else []
+        return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+    return not any(all(oa[d] < ob[d] + nb[d] and ob[d] < oa[d] + na[d] for d in range(len(shape)))
+                   for i, (oa, na) in enumerate(boxes) for ob, nb in boxes[i + 1:])
+
+
 def is_sharded_dir(names: set[str]) -> bool:
     return METADATA in names
 

@@ -352,20 +352,11 @@ class _Reader:
 
 
 def _covers(pieces: list[Piece]) -> bool:
-    """The pieces tile their tensor: as many elements as it has, and no two overlap."""
+    """The pieces tile their tensor, with one dtype and one global shape."""
     shape = pieces[0].global_shape
     if any(p.global_shape != shape or p.tensor.dtype != pieces[0].tensor.dtype for p in pieces):
         return False
-    if sum(p.tensor.numel() for p in pieces) != _numel(shape):
-        return False
-    boxes = [(p.offsets, tuple(p.tensor.shape)) for p in pieces if p.tensor.numel()]
-    split = {d for o, n in boxes for d in range(len(shape)) if o[d] != 0 or n[d] != shape[d]}
-    if len(split) <= 1:  # cut along one dimension (FSDP's dim 0): consecutive intervals must not overlap
-        d = split.pop() if split else 0
-        spans = sorted((o[d], o[d] + n[d]) for o, n in boxes) if shape else []
-        return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
-    return not any(all(oa[d] < ob[d] + nb[d] and ob[d] < oa[d] + na[d] for d in range(len(shape)))
-                   for i, (oa, na) in enumerate(boxes) for ob, nb in boxes[i + 1:])
+    return sharded.tiles(shape, [(p.offsets, tuple(p.tensor.shape)) for p in pieces])
 
 
 def _identity(t: torch.Tensor) -> tuple:

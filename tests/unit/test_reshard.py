@@ -113,7 +113,7 @@ def test_a_block_missing_from_the_shards_is_refused(tmp_path):
     step = committed(str(tmp_path), others + save_sharded(str(tmp_path / "model"), {}, rank=1, world_size=3))
     holder = torch.nn.Module()
     holder.register_buffer("w", torch.zeros(6, 2))
-    with pytest.raises(CorruptCheckpointError, match=r"hold 8 of the 12 elements of 'w'"):
+    with pytest.raises(CorruptCheckpointError, match=r"blocks of .w. .* do not tile"):
         load_sharded_state(Storage(str(tmp_path)), step, "model", holder)
 
 

@@ -17,6 +17,7 @@ independent of the world size and of parameter order.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,49 +42,95 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The block of the global tensor this rank holds: its offsets and shape (whole for a plain tensor)."""
+def local_box(t: torch.Tensor, coordinates: dict | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block of the global tensor this rank holds: its offsets and shape (whole for a plain tensor).
+
+    ``coordinates`` (id(mesh) -> this rank's coordinate) saves looking it up for every tensor of
+    one state.
+
+    Raises:
+        CheckpointConfigError: a placement other than Shard(dim) or Replicate, or a local tensor
+            whose shape is not the block's (the layout cannot be told).
+    """
     if not is_dtensor(t):
         return (0,) * t.dim(), tuple(t.shape)
+    mesh = t.device_mesh
+    return _box(tuple(t.shape), tuple(mesh.shape), tuple(t.placements), _coordinate(mesh, coordinates))
+
+
+def _coordinate(mesh: Any, coordinates: dict | None) -> tuple[int, ...] | None:
+    """This rank's place in ``mesh``, from the mesh's process groups.
+
+    Not ``mesh.get_coordinate()``: torch keeps that from the first process group a process
+    joined, so a process that joins a new group as another rank (an elastic restart, a reused
+    Ray actor) gets its old coordinate, and DCP's offsets with it (measured with torch 2.13)."""
+    if coordinates is None:
+        coordinates = {}
+    key = id(mesh)
+    if key not in coordinates:
+        import torch.distributed as dist
+
+        inside = dist.get_rank() in mesh.mesh.flatten().tolist()
+        coordinates[key] = tuple(mesh.get_local_rank(i) for i in range(mesh.ndim)) if inside else None
+    return coordinates[key]
+
+
+@functools.lru_cache(maxsize=4096)
+def _box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+         coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # Cached: a state has the same few layouts at every save, and the hundreds of tensors of a
+    # model and its optimizer share them.
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as ShardPlacement
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for p in t.placements:
-        # _StridedShard (FSDP2 over tensor parallel) is a Shard subclass whose local block is not
-        # one contiguous box of the global tensor; Partial holds unreduced values.
-        if type(p) not in (ShardPlacement, Replicate):
+    local, offsets = list(shape), [0] * len(shape)
+    for dim, p in enumerate(placements):
+        # _StridedShard (FSDP2 over tensor parallelism) is a Shard subclass whose local block is
+        # not one contiguous box of the global tensor; Partial holds unreduced values.
+        if type(p) is Replicate:
+            continue
+        if type(p) is not ShardPlacement:
             raise CheckpointConfigError(
                 f"a DTensor with placement {p} cannot be saved as blocks; ckptd takes Shard(dim) and "
                 "Replicate placements (FSDP2 or tensor parallel alone). Redistribute it first"
             )
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
+        if coordinate is None:
+            return tuple(offsets), tuple(0 for _ in shape)
+        # DTensor's split: chunks of ceil(size / n), the last ranks' short or empty (torch.chunk).
+        d, n, c = p.dim % len(shape), mesh_shape[dim], coordinate[dim]
+        chunk = -(-local[d] // n)
+        start = min(c * chunk, local[d])
+        local[d], offsets[d] = min(local[d], start + chunk) - start, offsets[d] + start
+    return tuple(offsets), tuple(local)
 
 
-def _writes_block(t: torch.Tensor) -> bool:
-    """This rank writes its block of ``t``: first replica along every replicated mesh dimension."""
+def _writes_block(coordinate: tuple[int, ...] | None, placements: tuple) -> bool:
+    """This rank writes its blocks of this layout: first replica along every replicated mesh dimension."""
     from torch.distributed.tensor import Replicate
 
-    coordinate = t.device_mesh.get_coordinate()
     if coordinate is None:  # not part of the mesh
         return False
-    return all(c == 0 for c, p in zip(coordinate, t.placements, strict=True) if isinstance(p, Replicate))
+    return all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
 
 
-def piece_of(t: torch.Tensor, key: str) -> Shard | torch.Tensor | None:
+def piece_of(t: torch.Tensor, key: str, coordinates: dict | None = None) -> Shard | torch.Tensor | None:
     """This rank's piece of ``t``: a :class:`Shard` of a DTensor (None when another replica
     writes it), or the tensor itself when it is a plain tensor (replicated: rank 0 writes it)."""
     if not isinstance(t, torch.Tensor):
         raise CheckpointConfigError(f"{key} is a {type(t).__name__}, not a tensor")
     if not is_dtensor(t):
         return t.detach()
-    offsets, shape = local_box(t)
-    if not _writes_block(t):
+    coordinates = {} if coordinates is None else coordinates
+    offsets, shape = local_box(t, coordinates)
+    if not _writes_block(_coordinate(t.device_mesh, coordinates), tuple(t.placements)):
         return None
-    local = t.to_local().detach()
-    if tuple(local.shape) != shape:  # padded local storage: the real block is its first rows
-        local = local[tuple(slice(0, n) for n in shape)]
+    # The local tensor itself, not to_local(): that is an autograd function, ten times slower.
+    local = getattr(t, "_local_tensor", None)
+    local = (t.to_local() if local is None else local).detach()
+    if tuple(local.shape) != shape:
+        raise CheckpointConfigError(
+            f"{key}: this rank holds a block of shape {tuple(local.shape)}, and its placements {t.placements} "
+            f"give {shape}; ckptd takes DTensors split as DTensor splits them (torch.chunk)")
     return Shard(local, offsets, tuple(t.shape))
 
 
@@ -240,8 +287,9 @@ def sharded_state(
             raise CheckpointConfigError("the optimizer's state is saved by parameter name: pass model= too")
         optim_tensors, state.groups = optimizer_state(model, optimizer)
         everything.update(optim_tensors)
+    coordinates: dict = {}
     for key, t in everything.items():
-        piece = piece_of(t, key)
+        piece = piece_of(t, key, coordinates)
         state.global_shapes[key] = tuple(t.shape)
         if piece is None:
             continue

@@ -167,6 +167,11 @@ class _Fill:
 
     def __init__(self, target: torch.Tensor, key: str, ckpt: ShardedCheckpoint) -> None:
         offsets, shape = local_box(target)
+        local = target.to_local() if hasattr(target, "to_local") else target
+        if tuple(local.shape) != shape:
+            raise CheckpointConfigError(
+                f"{key}: this rank holds a block of shape {tuple(local.shape)}, and its placements give {shape}; "
+                "ckptd loads DTensors split as DTensor splits them (torch.chunk)")
         self.target = target
         self.parts = ckpt.copies(key, offsets, shape) if math.prod(shape) else []
 

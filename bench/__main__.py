@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     def p8():
         from .fsdp import p8_fsdp
 
-        return p8_fsdp(args.dir, args.reps, args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab)
+        return p8_fsdp(args.dir, args.reps, args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab,
+                       warm_up=not args.smoke)
 
     seconds = {"P1-P3": time.time() - started}
     for name, fn in (("P4", p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8)):

@@ -82,7 +82,7 @@ class P8Rank(FSDPTrainer):
         return {"blocked_s": blocked, "start": start, "done": time.time()}
 
 
-def p8_fsdp(base_dir: str | None, reps: int, hidden: int, layers: int, vocab: int) -> list[Row]:
+def p8_fsdp(base_dir: str | None, reps: int, hidden: int, layers: int, vocab: int, warm_up: bool = True) -> list[Row]:
     started_ray = not ray.is_initialized()
     if started_ray:
         # The rank actors import this module: let Ray's workers find the repository.
@@ -103,15 +103,17 @@ def p8_fsdp(base_dir: str | None, reps: int, hidden: int, layers: int, vocab: in
         blocked = {m: Row("P8 FSDP2 blocked", m, "s") for m in METHODS}
         durable = {m: Row("P8 FSDP2 durable", m, "s") for m in METHODS}
         step = 1
-        for rep in range(reps):
+        for rep in range(-1 if warm_up else 0, reps):  # rep -1: the uncounted warm-up round
             # Interleaved, and the order rotates each repetition, so drift hits all methods alike.
             for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
                 step += 1
                 out = f"{root}/dcp-{step}"
                 res = job.call("measure", method, out, step)
+                shutil.rmtree(out, ignore_errors=True)
+                if rep < 0:
+                    continue
                 blocked[method].samples.append(max(r["blocked_s"] for r in res))
                 durable[method].samples.append(max(r["done"] for r in res) - min(r["start"] for r in res))
-                shutil.rmtree(out, ignore_errors=True)
         note = f"2 ranks, {sum(mib):.0f} MiB of model + AdamW state ({mib[0]:.0f} MiB per rank), gloo"
         for row in (*blocked.values(), *durable.values()):
             row.note = note

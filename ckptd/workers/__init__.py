@@ -7,6 +7,7 @@ training thread first (:func:`snapshot`); the writers run in the background.
 """
 
 from ckptd.workers.dtensor import ShardedState, sharded_state
+from ckptd.workers.export import export_hf_async, export_hf_step
 from ckptd.workers.hf import save_hf_model
 from ckptd.workers.lora import save_lora_adapter
 from ckptd.workers.sharded import Shard, export_hf, save_sharded, shard_dim0
@@ -25,6 +26,8 @@ __all__ = [
     "TrainingState",
     "capture_training_state",
     "export_hf",
+    "export_hf_async",
+    "export_hf_step",
     "save_hf_model",
     "save_lora_adapter",
     "save_sharded",

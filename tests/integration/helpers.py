@@ -265,3 +265,16 @@ class Rollout:
 
     def report(self, version: int) -> None:
         self.sub.report_serving(version)
+
+
+def commit_fsdp_step(job, monitor, units_per_rank: int = 2, timeout_s: float = 60) -> int:
+    """Register an FSDPJob's current step (rank 0), wait for every rank's units, then for the commit."""
+    step = ray.get(job.actors[0].register.remote(units_per_rank))
+    job.call("wait_saves")
+    ckptd.CheckpointCoordinator(monitor, worker_id="driver").wait_committed(step, timeout_s=timeout_s)
+    return step
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """The names whose tensors differ between two full states (or that only one has)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))

@@ -14,6 +14,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.workers.export import export_hf_async
 from ckptd.workers.fsdp_job import MODEL_DIR, FSDPJob, Trainer, tiny_llama_config
+from tests.integration.helpers import commit_fsdp_step, differing
 
 # Resumed on another world size, a step's loss differs from the old world size's continuation only
 # by the order of the floating-point reduction over ranks (measured: at most 1.1e-7 relative).
@@ -50,16 +51,10 @@ def job_factory(trainers, make_monitor, tmp_path, run_name):
         j.teardown()
 
 
-def commit(job: FSDPJob, monitor, units_per_rank: int = 2, timeout_s: float = 60) -> int:
-    """Register the job's current step (rank 0), wait for every rank's units, wait for the commit."""
-    step = ray.get(job.actors[0].register.remote(units_per_rank))
-    job.call("wait_saves")
-    ckptd.CheckpointCoordinator(monitor, worker_id="driver").wait_committed(step, timeout_s=timeout_s)
-    return step
 
 
-def equal_states(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in a if k not in b or not torch.equal(a[k], b[k]))
+def weights_of(full: dict) -> dict:
+    return {k: v for k, v in full.items() if not k.startswith(("optim.", "lr"))}
 
 
 @pytest.fixture
@@ -69,7 +64,7 @@ def saved_on_2(job_factory):
     job = job_factory(2)
     job.call("train", 3)
     job.call("save")
-    commit(job, job_factory.monitor)
+    commit_fsdp_step(job, job_factory.monitor)
     full = job.call("full_state")[0]
     ids = torch.arange(16).reshape(1, 16) % 96
     logits = job.call("logits", ids)[0]
@@ -85,7 +80,7 @@ def test_a_2_rank_checkpoint_resumes_on_2_3_and_4_ranks_with_its_optimizer(saved
         job = job_factory(world, actors=[trainers[1], trainers[0]] if world == 2 else None)
         assert job.call("resume", job_factory.root) == [{"step": 3, "consumed": 36, "epoch": 0}] * world
         # Model, AdamW moments and step counts, learning rate: all equal to what the 2 ranks held.
-        assert equal_states(full, job.call("full_state")[0]) == []
+        assert differing(full, job.call("full_state")[0]) == []
         curves[world] = job.call("train", 3)[0]
     assert curves[2] == after  # same world size: the same computation, bit for bit
     for world in (3, 4):
@@ -100,12 +95,12 @@ def test_a_4_rank_checkpoint_resumes_on_2(job_factory, replicas):
     job = job_factory(4, replicas=replicas)  # HSDP: two replicas, each sharded over 2 ranks
     job.call("train", 2)
     job.call("save")
-    commit(job, job_factory.monitor)
+    commit_fsdp_step(job, job_factory.monitor)
     full = job.call("full_state")[0]
     after = job.call("train", 2)[0]
     job = job_factory(2)
     job.call("resume", job_factory.root)
-    assert equal_states(full, job.call("full_state")[0]) == []
+    assert differing(full, job.call("full_state")[0]) == []
     assert job.call("train", 2)[0] == pytest.approx(after, rel=LOSS_RTOL)
 
 
@@ -115,7 +110,7 @@ def test_dcp_loads_a_ckptd_checkpoint_on_another_world_size_and_exports_to_hf(sa
     job = job_factory(3)
     job.call("load_with_dcp", f"{step_dir}/{MODEL_DIR}")  # DCP's own HuggingFaceStorageReader
     got = job.call("full_state")[0]
-    assert equal_states({k: v for k, v in full.items() if not k.startswith(("optim.", "lr"))}, got) == []
+    assert differing(weights_of(full), weights_of(got)) == []
 
     # HF export in a Ray task, from the committed shards: transformers loads it, same outputs.
     from transformers import AutoModelForCausalLM
@@ -133,25 +128,24 @@ def test_dcp_save_through_the_ckptd_writer_is_one_unit_per_rank(job_factory):
     job = job_factory(2)
     job.call("train", 1)
     job.call("save_with_dcp")  # dcp.save on the training thread: save_sync is the unit
-    commit(job, job_factory.monitor, units_per_rank=1)
+    commit_fsdp_step(job, job_factory.monitor, units_per_rank=1)
     at1 = job.call("full_state")[0]
     job.call("train", 1)
     job.call("save_with_dcp", background=True)  # staged, then planned and written on the save thread
-    commit(job, job_factory.monitor, units_per_rank=1)
+    commit_fsdp_step(job, job_factory.monitor, units_per_rank=1)
     at2 = job.call("full_state")[0]
     assert ckptd.latest_step(job_factory.root) == 2
     job = job_factory(3)
     for step, full in ((1, at1), (2, at2)):
         job.call("resume", job_factory.root, step, weights_only=True)
-        weights = {k: v for k, v in full.items() if not k.startswith(("optim.", "lr"))}
-        assert equal_states(weights, job.call("full_state")[0]) == []
+        assert differing(weights_of(full), weights_of(job.call("full_state")[0])) == []
 
 
 def test_a_rank_killed_mid_save_leaves_the_step_uncommitted_and_the_next_step_commits(job_factory, trainers):
     job = job_factory(2)
     job.call("train", 2)
     job.call("save")
-    commit(job, job_factory.monitor)
+    commit_fsdp_step(job, job_factory.monitor)
     victim = job.actors[1]
     ray.get(victim.arm.remote("after_unit_write", "crash"))  # its files written, no receipt: a kill
     job.call("train", 2)
@@ -170,7 +164,7 @@ def test_a_rank_killed_mid_save_leaves_the_step_uncommitted_and_the_next_step_co
     job.call("resume", job_factory.root)
     job.call("train", 3)
     job.call("save")
-    assert commit(job, job_factory.monitor) == 5
+    assert commit_fsdp_step(job, job_factory.monitor) == 5
     assert ckptd.latest_step(job_factory.root) == 5
     ckptd.verify(job_factory.root, 5)
     with pytest.raises(ckptd.CheckpointError):
@@ -195,4 +189,4 @@ def test_a_damaged_shard_is_refused_on_every_rank(saved_on_2, tmp_path):
             ray.get(ref)
         errors.append(str(e.value))
     assert any("shard-00001.safetensors" in e and "checksum" in e for e in errors), errors
-    assert equal_states(before, job.call("full_state")[0]) == []  # no rank changed anything
+    assert differing(before, job.call("full_state")[0]) == []  # no rank changed anything

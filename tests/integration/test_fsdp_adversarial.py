@@ -27,17 +27,7 @@ from ckptd.workers.files import write_json
 from ckptd.workers.fsdp_job import MODEL_DIR, FSDPJob, Trainer, tiny_llama_config
 from ckptd.workers.safetensors_io import write_safetensors
 from ckptd.workers.sharded import DCP_SHARDING_KEY
-
-
-def commit(job: FSDPJob, monitor, units_per_rank: int = 2, timeout_s: float = 60) -> int:
-    step = ray.get(job.actors[0].register.remote(units_per_rank))
-    job.call("wait_saves")
-    ckptd.CheckpointCoordinator(monitor, worker_id="driver").wait_committed(step, timeout_s=timeout_s)
-    return step
-
-
-def differing(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+from tests.integration.helpers import commit_fsdp_step, differing
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def saved_on_3(env):
     job = env.job(3)
     job.call("train", 2)
     job.call("save")
-    assert commit(job, env.monitor) == 2
+    assert commit_fsdp_step(job, env.monitor) == 2
     return job.call("full_state")[0]
 
 
@@ -132,7 +122,7 @@ def test_3_ranks_resume_exactly_on_2_then_1_and_into_a_plain_model(env, saved_on
     assert differing(saved_on_3, job.call("full_state")[0]) == []  # 3 -> 2
     job.call("train", 1)
     job.call("save")
-    assert commit(job, env.monitor) == 3
+    assert commit_fsdp_step(job, env.monitor) == 3
     full = env.full_at_3 = job.call("full_state")[0]
     assert differing(saved_on_3, full)  # it trained on
 
@@ -297,7 +287,7 @@ def test_a_rank_killed_while_writing_never_commits_and_the_job_commits_later(env
     assert job.call("resume", env.root) == [{"step": 3, "consumed": 36, "epoch": 0}]
     job.call("train", 2)
     job.call("save")
-    assert commit(job, env.monitor) == 5
+    assert commit_fsdp_step(job, env.monitor) == 5
     ckptd.verify(env.root, 5)
     with pytest.raises(ckptd.CheckpointError):
         ckptd.verify(env.root, 4)

@@ -11,21 +11,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
-from ckptd.manifest import FileEntry
 from ckptd.storage import Storage
-from ckptd.verify import CommittedStep
 from ckptd.workers import save_sharded, shard_dim0, sharded_state
 from ckptd.workers.dtensor import GROUPS_FILE
 from ckptd.workers.reshard import load_sharded_state
 from ckptd.workers.weights import read_weights
-
-
-def committed(root: str, written) -> CommittedStep:
-    files = {}
-    for w in written:
-        rel = os.path.relpath(w.path, root)
-        files[rel] = FileEntry(path=rel, size=w.size, crc32=w.crc32)
-    return CommittedStep(4, root, {}, files)
+from tests.unit.helpers import committed
 
 
 def model(seed: int) -> torch.nn.Module:

@@ -14,17 +14,10 @@ from ckptd.storage import Storage
 from ckptd.verify import CommittedStep
 from ckptd.workers import save_hf_model, save_sharded, shard_dim0
 from ckptd.workers.weights import read_weights
+from tests.unit.helpers import committed
 
 CONFIG = {"model_type": "llama"}
 
-
-def committed(root: str, written) -> CommittedStep:
-    """A step made of what the writers returned (as the monitor's manifest would list it)."""
-    files = {}
-    for w in written:
-        rel = os.path.relpath(w.path, root)
-        files[rel] = FileEntry(path=rel, size=w.size, crc32=w.crc32)
-    return CommittedStep(7, root, {}, files)
 
 
 def rss_anon() -> int:

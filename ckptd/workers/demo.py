@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 
 import ray
@@ -113,7 +112,7 @@ def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, referen
     ids = torch.arange(16).reshape(1, 16) % 96
     logits = fresh.call("logits", ids)[0]
     fresh.teardown()
-    out = tempfile.mkdtemp(prefix="ckptd-demo-hf-")
+    out = f"{root.rstrip('/')}-hf/step_{latest}"  # next to the root: committed steps never change
     t0 = time.perf_counter()
     ray.get(export_hf_async(root, latest, out, tiny_llama_config().to_dict()))
     from transformers import AutoModelForCausalLM

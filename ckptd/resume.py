@@ -204,7 +204,7 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
         else:
             log.warning("step %d has no RNG state for rank %d (%s); random generators are not restored",
                         committed.step, rank, f"it was saved by {running.world_size} ranks" if moved else
-                        "it was saved without")
+                        "none was saved")
     return apply
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ckptd.errors import CheckpointError
 from ckptd.threads import lower_priority
-from ckptd.workers.dtensor import is_dtensor
+from ckptd.workers.dtensor import is_dtensor, local_tensor
 from ckptd.workers.state_dict import map_tensors
 
 
@@ -33,7 +33,7 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     """Every tensor in a nested dict/list/tuple, in :func:`map_tensors` order; of a DTensor, the
     block this rank holds (staging never gathers)."""
     found: list[torch.Tensor] = []
-    map_tensors(state, lambda t: found.append(t.to_local() if is_dtensor(t) else t))
+    map_tensors(state, lambda t: found.append(local_tensor(t) if is_dtensor(t) else t))
     return found
 
 

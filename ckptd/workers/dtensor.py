@@ -42,6 +42,15 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The block a DTensor holds on this rank, detached (the tensor itself if it is a plain one).
+    Not ``to_local()``: that is an autograd function, ten times slower over a whole state."""
+    if not is_dtensor(t):
+        return t.detach()
+    local = getattr(t, "_local_tensor", None)
+    return (t.to_local() if local is None else local).detach()
+
+
 def local_box(t: torch.Tensor, coordinates: dict | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The block of the global tensor this rank holds: its offsets and shape (whole for a plain tensor).
 
@@ -124,9 +133,7 @@ def piece_of(t: torch.Tensor, key: str, coordinates: dict | None = None) -> Shar
     offsets, shape = local_box(t, coordinates)
     if not _writes_block(_coordinate(t.device_mesh, coordinates), tuple(t.placements)):
         return None
-    # The local tensor itself, not to_local(): that is an autograd function, ten times slower.
-    local = getattr(t, "_local_tensor", None)
-    local = (t.to_local() if local is None else local).detach()
+    local = local_tensor(t)
     if tuple(local.shape) != shape:
         raise CheckpointConfigError(
             f"{key}: this rank holds a block of shape {tuple(local.shape)}, and its placements {t.placements} "

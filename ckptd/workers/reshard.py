@@ -24,7 +24,7 @@ from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
 from ckptd.storage import Storage
 from ckptd.verify import CommittedStep
 from ckptd.workers import sharded
-from ckptd.workers.dtensor import GROUPS_FILE, OPTIM_PREFIX, local_box, parameter_names
+from ckptd.workers.dtensor import GROUPS_FILE, OPTIM_PREFIX, local_box, local_tensor, parameter_names
 from ckptd.workers.files import load_json
 from ckptd.workers.mapped import map_verified, read_safetensors
 from ckptd.workers.safetensors_io import DTYPE_NAMES
@@ -134,7 +134,15 @@ class ShardedCheckpoint:
     def _file(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._tensors:
             self.read_files.append(self.prefix + name)
-            tensors, _ = read_safetensors(self.storage, f"{self.base}/{name}", self._entry(name))
+            path = f"{self.base}/{name}"
+            tensors, file_meta = read_safetensors(self.storage, path, self._entry(name))
+            # The plan came from the header read before the file was checked: hold the checked
+            # file to it, so that no change in between can place a block elsewhere.
+            for key, blocks in self.blocks.items():
+                for b in blocks:
+                    if b.file == name and (key not in tensors or (b.offsets, b.global_shape) != self.layout.piece(
+                            key, tensors[key], file_meta, path)):
+                        raise CorruptCheckpointError(f"{path}: changed while it was read (block of {key!r})")
             self._tensors[name] = tensors
         return self._tensors[name]
 
@@ -167,7 +175,7 @@ class _Fill:
 
     def __init__(self, target: torch.Tensor, key: str, ckpt: ShardedCheckpoint) -> None:
         offsets, shape = local_box(target)
-        local = target.to_local() if hasattr(target, "to_local") else target
+        local = local_tensor(target)
         if tuple(local.shape) != shape:
             raise CheckpointConfigError(
                 f"{key}: this rank holds a block of shape {tuple(local.shape)}, and its placements give {shape}; "
@@ -176,10 +184,10 @@ class _Fill:
         self.parts = ckpt.copies(key, offsets, shape) if math.prod(shape) else []
 
     def __call__(self) -> None:
-        local = self.target.to_local() if hasattr(self.target, "to_local") else self.target
+        local = local_tensor(self.target)  # shares the parameter's storage
         with torch.no_grad():
             for into, source in self.parts:
-                local.data[into].copy_(source)
+                local[into].copy_(source)
 
 
 def _check_model(ckpt: ShardedCheckpoint, targets: Mapping[str, torch.Tensor], strict: bool) -> list[str]:

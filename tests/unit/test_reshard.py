@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptd.errors import CheckpointConfigError, CorruptCheckpointError
 from ckptd.storage import Storage
-from ckptd.workers import save_sharded, shard_dim0, sharded_state
+from ckptd.workers import Shard, save_sharded, shard_dim0, sharded_state
 from ckptd.workers.dtensor import GROUPS_FILE
 from ckptd.workers.reshard import load_sharded_state
 from ckptd.workers.weights import read_weights
@@ -120,3 +120,21 @@ def test_a_damaged_shard_is_named(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="shard-00001.safetensors"):
         load_sharded_state(Storage(str(tmp_path)), step, "model", holder)
     assert torch.equal(holder.w, torch.zeros(6, 2))
+
+
+def test_a_shard_rewritten_between_planning_and_reading_is_refused(tmp_path):
+    """The blocks are planned from headers read before the files are checked: a file that changes
+    in between (and matches its manifest entry afterwards) must not place a block elsewhere."""
+    from ckptd.workers.reshard import ShardedCheckpoint
+
+    full = {"w": torch.arange(12.0).reshape(6, 2)}
+    written = save_as_ranks(tmp_path, full, 2)
+    step = committed(str(tmp_path), written)
+    ckpt = ShardedCheckpoint(Storage(str(tmp_path)), step, "model")  # headers read: rank 1 holds rows 3..5
+    # Rank 1's file rewritten with its rows claimed at row 0, and the manifest entry to match.
+    rewritten = save_sharded(str(tmp_path / "model"), {"w": Shard(full["w"][3:], (0, 0), (6, 2))},
+                             rank=1, world_size=2)
+    step.files["model/shard-00001.safetensors"] = committed(str(tmp_path), rewritten[:1]).files[
+        "model/shard-00001.safetensors"]
+    with pytest.raises(CorruptCheckpointError, match="shard-00001.safetensors: changed while it was read"):
+        ckpt.copies("w", (0, 0), (6, 2))

@@ -94,8 +94,9 @@ class FSDPTrainer:
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaForCausalLM
 
-        if global_batch % world_size:
-            raise ValueError(f"global_batch {global_batch} must divide evenly over {world_size} ranks")
+        if global_batch % world_size or SAMPLES % global_batch:
+            raise ValueError(f"global_batch {global_batch} must divide evenly over {world_size} ranks and "
+                             f"into the {SAMPLES} samples of an epoch")
         self.teardown()
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world_size, timeout=timedelta(seconds=120))

@@ -285,7 +285,7 @@ class CheckpointCoordinator:
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
-        err = self._runner.run(Job(unit, save_fn))
+        err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
         if err is not None:
             raise err from err.__cause__
 
@@ -342,11 +342,14 @@ class CheckpointCoordinator:
         """Register how many save units step ``global_step`` has, across all workers.
 
         The step of a kind is committed once that many distinct units of the kind have finished
-        and none has failed. Registering the same counts again is harmless; different counts
-        are an error. Blocking twin of :meth:`register_and_monitor`.
+        and none has failed. Registrations of a step add up per kind, as Trinity's counters do:
+        two calls with ``checkpoint_thread_count=1`` expect two units. Each call carries an id,
+        so a call that Ray or this coordinator retries counts once. Blocking twin of
+        :meth:`register_and_monitor`.
 
         Raises:
-            CheckpointConfigError: bad step or counts, or a conflicting earlier registration.
+            CheckpointConfigError: bad step or counts.
+            RegistrationConflictError: it adds units to a step already committed as a checkpoint.
             CheckpointSaveError: the step already failed.
         """
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
@@ -415,7 +418,12 @@ class CheckpointCoordinator:
                       protocol.new_id())
 
     def _run_job(self, job: Job) -> None:
-        err = self._runner.run(job)
+        try:
+            err = self._runner.run(job)
+        except BaseException as e:  # a bug in ckptd: the unit did not end as it should
+            log.exception("save %s of step %d ended abnormally", job.unit.label, job.unit.step)
+            err = CheckpointSaveError(job.unit.step, job.unit.kind.value, job.unit.label,
+                                      f"the save thread failed: {type(e).__name__}: {e}")
         if err is not None:
             with self._lock:
                 self._errors.append(err)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -11,8 +10,6 @@ from typing import Any
 
 from ckptd.protocol import UnitId
 from ckptd.threads import lower_priority
-
-log = logging.getLogger("ckptd.coordinator")
 
 
 @dataclass
@@ -36,10 +33,6 @@ class Lane:
             try:
                 if job is None:
                     return
-                run(job)
-            except BaseException:
-                # run() reports every failure itself; what still escapes (an interrupt) must not
-                # end the thread, or later saves of this name would wait forever.
-                log.exception("save thread %s: a unit ended abnormally", threading.current_thread().name)
+                run(job)  # never raises: the coordinator keeps every failure for wait_all()
             finally:
                 self.queue.task_done()

@@ -50,8 +50,12 @@ class UnitRunner:
         self._heartbeat: threading.Thread | None = None
         self.closed = threading.Event()
 
-    def run(self, job: Job) -> CheckpointSaveError | None:
-        """Run one unit to its end and report it; return the error if it failed."""
+    def run(self, job: Job, *, reraise_interrupts: bool = False) -> CheckpointSaveError | None:
+        """Run one unit to its end and report it; return the error if it failed.
+
+        ``reraise_interrupts``: a KeyboardInterrupt or SystemExit raised by ``save_fn`` goes on
+        up (after the failure is reported), for save_sync's caller. A save thread has nobody to
+        hand it to: there it is returned as the unit's error, which wait_all() raises."""
         unit = job.unit
         slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
         try:
@@ -72,10 +76,9 @@ class UnitRunner:
             return self._report_failure(unit, e)
         except BaseException as e:
             # Not an Exception, and yet the save failed: DCP's CheckpointException, a save_fn
-            # that calls sys.exit, Ctrl-C during save_sync. The step must hear of it; an
-            # interrupt then goes on up the thread it hit.
+            # that calls sys.exit, Ctrl-C during save_sync. The step must hear of it.
             err = self._report_failure(unit, e)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            if reraise_interrupts and isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             return err
         finally:

@@ -92,8 +92,9 @@ def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(rollouts, make_m
     slow.release()
     assert ray.get(rollout.wait.remote(None, 60)) == 1
     # Failed: step 2's unit raises.
-    coord.save_async("model", lambda: (_ for _ in ()).throw(OSError("disk full")), 2, is_state_dict=True)
+    # Registered first: a registration after the failure reached the monitor would be refused.
     coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_async("model", lambda: (_ for _ in ()).throw(OSError("disk full")), 2, is_state_dict=True)
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_committed(2, is_state_dict=True, timeout_s=60)
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):

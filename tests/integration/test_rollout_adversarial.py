@@ -696,8 +696,8 @@ def test_followers_see_only_committed_newer_versions_through_out_of_order_failed
     for step in order:
         how = plan[step]
         if how == "fail":
+            coord.register(step, is_state_dict=True, state_dict_thread_count=1)  # before the failure can land
             coord.save_async("model", lambda: (_ for _ in ()).throw(OSError("disk full")), step, is_state_dict=True)
-            coord.register(step, is_state_dict=True, state_dict_thread_count=1)
             with pytest.raises(ckptd.CheckpointSaveError):
                 coord.wait_committed(step, is_state_dict=True, timeout_s=60)
             with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):

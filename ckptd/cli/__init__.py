@@ -1,4 +1,5 @@
-"""The ``ckptd`` command line: ``ckptd demo``, ``status``, ``latest``, ``verify`` and ``retire``."""
+"""The ``ckptd`` command line: ``demo``, ``status``, ``latest``, ``ls``, ``show``, ``verify``,
+``export-hf`` and ``retire``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ckptd import __version__
+    from ckptd.cli import steps
+
     parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpointing on Ray.")
+    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny Llama with FSDP2 on 2 Ray actors (gloo), saving through "
                                        "ckptd; then resume it on 3 ranks, load it with DCP, export it to HF")
@@ -33,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--namespace", default=None, help="the monitor's Ray namespace")
     status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
     status.add_argument("--json", action="store_true", help="print the whole status as JSON")
-    latest = sub.add_parser("latest", help="print the latest committed steps under a root")
-    latest.add_argument("root")
+    steps.add_parsers(sub, "")
     verify = sub.add_parser("verify", help="check every file of a committed step against its manifest")
     verify.add_argument("root")
     verify.add_argument("--step", type=int, default=None, help="the step (default: the newest checkpoint)")
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     retire.add_argument("--yes", action="store_true", help="do it; without it, only list what would go")
     args = parser.parse_args(argv)
 
+    if args.command in ("latest", "ls", "show", "export-hf"):
+        return steps.run(args)
     if args.command == "retire":
         return _retire(args)
     if args.command == "status":
@@ -75,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"step {step.step}: {len(step.files)} files match the manifest ({step.path})")
         return 0
-    from ckptd.layout import latest_step as _latest
-
-    print(f"checkpoint: {_latest(args.root)}")
-    print(f"state_dict: {_latest(args.root, 'state_dict')}")
-    return 0
+    raise AssertionError(f"unhandled command {args.command}")
 
 
 def _retire(args: argparse.Namespace) -> int:

@@ -45,14 +45,16 @@ def retire_steps(root: str, after: int, *, storage_options: dict | None = None, 
     """
     after = check_step(after, "after")
     storage = Storage(root, storage_options)
-    _refuse_live(storage)
+    refuse_live(storage, "retiring steps")
     retired = _retire(storage, after)
     if mirror is not None:
         _retire(Storage(mirror, mirror_storage_options), after)
     return retired
 
 
-def _refuse_live(storage: Storage) -> None:
+def refuse_live(storage: Storage, doing: str) -> None:
+    """Raise CheckpointConfigError if the monitor of the root's newest attempt is live in this Ray
+    cluster (nothing to check when Ray is not initialised)."""
     import ray
 
     if not ray.is_initialized():
@@ -64,7 +66,7 @@ def _refuse_live(storage: Storage) -> None:
     if rec is not None and _live_monitor_of(rec) is not None:
         raise CheckpointConfigError(
             f"the monitor of run {rec.run!r} (attempt {rec.attempt}) is live on {storage.url}; stop it "
-            "(ray.kill) before retiring steps, then start the new job's monitor"
+            f"(ray.kill) before {doing}, then start the new job's monitor"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.config import Kind
@@ -62,7 +63,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
 
 
 def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
-           storage_options: dict | None = None) -> CommittedStep:
+           storage_options: dict | None = None, progress: Callable[[int], None] | None = None) -> CommittedStep:
     """Check every file of a committed step against its manifest: present, same size, same CRC-32.
 
     Args:
@@ -72,6 +73,7 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
         kind: ``"checkpoint"`` or ``"state_dict"``: which newest step to check when ``step`` is
             None.
         storage_options: fsspec options for ``root``.
+        progress: Called with the size of each file once it is checked (for a progress bar).
 
     Returns:
         The step that was checked.
@@ -96,6 +98,8 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
         problem = mismatch(entry, size, crc)
         if problem:
             problems.append(f"{path}: {problem}")
+        if progress is not None:
+            progress(entry.size)
     if problems:
         raise CorruptCheckpointError(
             f"step {committed.step} under {storage.url} does not match its manifest: " + "; ".join(problems)

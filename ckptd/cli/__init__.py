@@ -1,4 +1,4 @@
-"""The ``ckptd`` command line: ``demo``, ``status``, ``latest``, ``ls``, ``show``, ``verify``,
+"""The ``ckptd`` command line: ``demo``, ``status``, ``latest``, ``ls``, ``show``, ``verify``, ``gc``,
 ``export-hf`` and ``retire``."""
 
 from __future__ import annotations
@@ -17,13 +17,20 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ckptd import __version__
-    from ckptd.cli import steps
+    from ckptd.cli import gc, status, steps
 
-    parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpointing on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Asynchronous checkpointing on Ray. `ckptd COMMAND --help` explains each command.",
+        epilog="examples:\n  ckptd demo\n  ckptd status my-run\n  ckptd ls ./ckpt\n  ckptd show ./ckpt 300\n"
+               "  ckptd verify s3://bucket/run --step 300\n  ckptd gc ./ckpt --dry-run\n"
+               "  ckptd export-hf ./ckpt 300 ./hf-300\n\n"
+               "Storage credentials come from the environment (e.g. AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny Llama with FSDP2 on 2 Ray actors (gloo), saving through "
-                                       "ckptd; then resume it on 3 ranks, load it with DCP, export it to HF")
+                                       "ckptd; then resume it on 3 ranks, load it with DCP, export it to HF",
+                          epilog="examples: ckptd demo --steps 10 --root ./demo;  ckptd demo --rl")
     demo.add_argument("--root", default=None,
                       help="checkpoint root (default: ./ckptd-demo/<timestamp>)")
     demo.add_argument("--steps", type=_positive, default=20)
@@ -32,19 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--resume-on", type=_positive, default=3, help="ranks to resume the last checkpoint on")
     demo.add_argument("--rl", action="store_true",
                       help="the RL demo: a trainer publishes weights every step, 2 rollout actors follow them")
-    status = sub.add_parser("status", help="show a live run's monitor: trackers, steps in flight, subscribers "
-                                           "and the versions they serve, read leases")
-    status.add_argument("--run", default="default", help="the run name given to start_monitor")
-    status.add_argument("--namespace", default=None, help="the monitor's Ray namespace")
-    status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
-    status.add_argument("--json", action="store_true", help="print the whole status as JSON")
+    status.add_parser(sub)
     steps.add_parsers(sub, "")
-    verify = sub.add_parser("verify", help="check every file of a committed step against its manifest")
+    gc.add_parser(sub)
+    verify = sub.add_parser("verify", help="check every file of a committed step against its manifest",
+                            description="Reads every file the step's manifests list and checks its size and "
+                                        "CRC-32. Exit 0 when all match, 1 when a file is missing or differs "
+                                        "(each is named) or the step is not committed.",
+                            epilog="example: ckptd verify s3://bucket/run --step 300")
     verify.add_argument("root")
     verify.add_argument("--step", type=int, default=None, help="the step (default: the newest checkpoint)")
     verify.add_argument("--kind", choices=["checkpoint", "state_dict"], default="checkpoint")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
     retire = sub.add_parser("retire", help="remove the steps newer than --after, so a job resuming from an "
-                                           "older step can save them again (stop the run's monitor first)")
+                                           "older step can save them again (stop the run's monitor first)",
+                            epilog="example: ckptd retire ./ckpt --after 150 --yes")
     retire.add_argument("root")
     retire.add_argument("--after", type=int, required=True, help="keep steps up to and including this one")
     retire.add_argument("--mirror", default=None, help="the run's mirror URL, retired too")
@@ -56,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "retire":
         return _retire(args)
     if args.command == "status":
-        return _status(args)
+        return status.run(args)
+    if args.command == "gc":
+        return gc.run(args)
 
     if args.command == "demo":
         from ckptd.workers.demo import run_demo
@@ -71,16 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                                resume_on=args.resume_on)
         return 0 if latest_step is not None or args.steps < args.ckpt_every else 1
     if args.command == "verify":
-        from ckptd.errors import CheckpointError
-        from ckptd.verify import verify as _verify
-
-        try:
-            step = _verify(args.root, args.step, kind=args.kind)
-        except CheckpointError as e:
-            print(f"FAILED: {e}", file=sys.stderr)
-            return 1
-        print(f"step {step.step}: {len(step.files)} files match the manifest ({step.path})")
-        return 0
+        return _verify(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -103,72 +105,27 @@ def _retire(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    import logging
-
-    import ray
-
+def _verify(args: argparse.Namespace) -> int:
+    from ckptd.cli.progress import bar
     from ckptd.errors import CheckpointError
-    from ckptd.monitor import get_monitor
+    from ckptd.layout import parse_kind
+    from ckptd.storage import Storage
+    from ckptd.verify import open_step, verify
 
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
-             configure_logging=False)
     try:
-        status = ray.get(get_monitor(args.run, _namespace_of(args.run, args.namespace)).status.remote())
+        committed = open_step(Storage(args.root), args.step, parse_kind(args.kind) if args.step is None else None)
+        if committed is None:
+            print(f"FAILED: no committed {args.kind} under {args.root}", file=sys.stderr)
+            return 1
+        with bar(bytes_=True, quiet=args.quiet) as progress:
+            task = progress.add_task(f"checking step {committed.step}",
+                                     total=sum(f.size for f in committed.files.values()))
+            step = verify(args.root, committed.step, progress=lambda n: progress.advance(task, n))
     except CheckpointError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
-    finally:
-        ray.shutdown()
-    if args.json:
-        print(status.model_dump_json(indent=1))
-        return 0
-    print(_format_status(status))
+    print(f"step {step.step}: {len(step.files)} files match the manifest ({step.path})")
     return 0
-
-
-def _namespace_of(run: str, namespace: str | None) -> str | None:
-    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
-    job that called ray.init() without a namespace runs in an anonymous one)."""
-    if namespace is not None:
-        return namespace
-    import ray
-
-    from ckptd.protocol import actor_name
-
-    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"] == actor_name(run)})
-    if len(found) > 1:
-        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
-    return found[0] if found else None
-
-
-def _format_status(status) -> str:
-    now = time.time()
-    lines = [f"run {status.run}: root {status.root}, attempt {status.attempt}"
-             + (f", FENCED: {status.fenced}" if status.fenced else ""),
-             f"latest checkpoint {status.trackers.checkpoint}, latest state dict {status.trackers.state_dict}"]
-    in_flight = [s for s in status.steps if not s.committed and s.state.value != "failed"]
-    if in_flight:
-        lines.append("in flight: " + ", ".join(f"{s.step} {s.kind.value} ({len(s.finished)}/{s.expected} finished)"
-                                               for s in in_flight))
-    if status.subscribers:
-        lines += ["", f"{'subscriber':<24} {'kind':<10} {'serving':>7} {'since':>9} {'lag steps':>9} "
-                      f"{'lag s':>7} {'live':>4}  pins"]
-        for s in status.subscribers:
-            since = "-" if s.serving_since is None else f"{now - s.serving_since:.0f}s ago"
-            lag_s = "-" if s.lag_s is None else f"{s.lag_s:.2f}"
-            lines.append(f"{s.name[:24]:<24} {s.kind.value:<10} {_dash(s.serving):>7} {since:>9} "
-                         f"{_dash(s.lag_steps):>9} {lag_s:>7} {'yes' if s.live else 'no':>4}  {s.pins or '-'}")
-    if status.pins:
-        lines.append("read leases: " + ", ".join(f"step {p.step} by {p.subscriber} ({p.expires_in_s:.0f}s left)"
-                                                 for p in status.pins))
-    lines += [f"warning: {w}" for w in status.warnings]
-    return "\n".join(lines)
-
-
-def _dash(value) -> str:
-    return "-" if value is None else str(value)
 
 
 def _latest_of(root: str) -> int | None:

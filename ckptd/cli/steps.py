@@ -46,6 +46,7 @@ def add_parsers(sub: Any, storage_options_help: str) -> None:
                         help="config.json to write with the weights (default: the step's own config.json)")
     export.add_argument("--model-dir", default=None, help="the weights' folder in the step (default: found)")
     export.add_argument("--max-shard-size", default="5GB")
+    export.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,12 +109,12 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"{'step':>8}  {'kinds':<22} {'files':>5} {'size':>10}  {'mirrored':<8} {'pinned':<6}")
     for r in rows:
         mirrored = "-" if r["mirrored"] is None else ("yes" if r["mirrored"] else "no")
-        print(f"{r['step']:>8}  {','.join(r['kinds']):<22} {r['files']:>5} {_size(r['bytes']):>10}  "
+        print(f"{r['step']:>8}  {','.join(r['kinds']):<22} {r['files']:>5} {size(r['bytes']):>10}  "
               f"{mirrored:<8} {'yes' if r['pinned'] else 'no':<6}")
     return 0
 
 
-def _size(n: int) -> str:
+def size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -140,11 +141,12 @@ def _show(args: argparse.Namespace) -> int:
         print(f"\n{kind}: committed at {m['committed_at']:.3f} by attempt {m.get('attempt')}, "
               f"{len(m['units'])} units, {len(m['files'])} files")
         for f in sorted(m["files"], key=lambda f: f["path"]):
-            print(f"  {f['path']:<60} {_size(f['size']):>10}  crc32 {f['crc32']}")
+            print(f"  {f['path']:<60} {size(f['size']):>10}  crc32 {f['crc32']}")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ckptd.cli.progress import bar
     from ckptd.errors import CheckpointError
     from ckptd.storage import Storage
     from ckptd.verify import open_step, read_file
@@ -164,12 +166,14 @@ def _export(args: argparse.Namespace) -> int:
                 print(f"FAILED: step {args.step} has no {name}; pass --config", file=sys.stderr)
                 return 1
             config = json.loads(read_file(storage, committed, name))
-        written = export_hf_step(args.root, args.step, args.out, config, model_dir=args.model_dir,
-                                 max_shard_size=args.max_shard_size)
+        with bar(quiet=args.quiet) as progress:
+            progress.add_task(f"exporting step {args.step} (checking, then writing)", total=None)
+            written = export_hf_step(args.root, args.step, args.out, config, model_dir=args.model_dir,
+                                     max_shard_size=args.max_shard_size)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
     total = sum(w.size for w in written)
     where = args.out if "://" in args.out else os.path.abspath(args.out)
-    print(f"wrote {len(written)} files ({_size(total)}) to {where}")
+    print(f"wrote {len(written)} files ({size(total)}) to {where}")
     return 0

@@ -1,0 +1,185 @@
+"""``ckptd status RUN``: a live run, from its monitor, as tables a person reads (or ``--json``).
+
+Exit codes: 0 the monitor answered, 1 no monitor of that run could be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+EXAMPLES = """examples:
+  ckptd status my-run                      the run's monitor, found in whichever namespace has it
+  ckptd status my-run --namespace train    when several namespaces have a monitor of that name
+  ckptd status my-run --json | jq .steps   the whole status, for scripts
+  ckptd status my-run --address ray://head:10001
+"""
+
+
+def add_parser(sub: Any) -> None:
+    status = sub.add_parser(
+        "status", help="show a live run: trackers, steps in flight, failures, writer queue, mirror, subscribers",
+        description="Connects to the Ray cluster and asks the run's monitor. Shows the trackers; the steps in "
+                    "flight with their expected, started, finished and failed units per kind; failed steps and "
+                    "why; the writer slots and their queue; the mirror's queue and lag; the weight subscribers "
+                    "and the versions they serve; read leases; warnings. Exit 1 when no monitor of the run "
+                    "can be reached.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    status.add_argument("run", nargs="?", default=None, help="the run name given to start_monitor")
+    status.add_argument("--run", dest="run_opt", default=None, help=argparse.SUPPRESS)  # the 0.1 spelling
+    status.add_argument("--namespace", default=None, help="the monitor's Ray namespace (default: found)")
+    status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
+    status.add_argument("--json", action="store_true", help="print the whole status as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import ray
+
+    from ckptd.errors import CheckpointError
+    from ckptd.monitor import get_monitor
+
+    name = args.run or args.run_opt or "default"
+    try:
+        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
+                 configure_logging=False)
+    except ConnectionError as e:
+        print(f"FAILED: no Ray cluster at {args.address!r} ({e}); pass --address", file=sys.stderr)
+        return 1
+    try:
+        status = ray.get(get_monitor(name, namespace_of(name, args.namespace)).status.remote())
+    except CheckpointError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(status.model_dump_json(indent=1))
+        return 0
+    console = Console(highlight=False, soft_wrap=True)  # soft wrap: a long line stays one line for grep
+    console.print(*render(status, time.time()), sep="\n")
+    return 0
+
+
+def namespace_of(run: str, namespace: str | None) -> str | None:
+    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
+    job that called ray.init() without a namespace runs in an anonymous one)."""
+    if namespace is not None:
+        return namespace
+    import ray
+
+    from ckptd.protocol import actor_name
+
+    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"] == actor_name(run)})
+    if len(found) > 1:
+        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
+    return found[0] if found else None
+
+
+def render(status: Any, now: float) -> list[Any]:
+    """The status as printable rich objects (headline lines and tables), in reading order."""
+    out: list[Any] = [
+        f"[bold]run {status.run}[/]: root {status.root}, attempt {status.attempt}, "
+        f"monitor on {status.storage.monitor}, up {_ago(now - status.started_at)}, {status.notifications} notifications"
+        + (f"\n[red]FENCED[/]: {status.fenced}" if status.fenced else ""),
+        f"latest checkpoint [bold]{_dash(status.trackers.checkpoint)}[/], "
+        f"latest state dict [bold]{_dash(status.trackers.state_dict)}[/]",
+    ]
+    in_flight = [s for s in status.steps if s.state.value in ("pending", "committing")]
+    if in_flight:
+        t = _table("steps in flight", "step", "kind", "state", "expected", "started", "finished", "failed", "age")
+        for s in sorted(in_flight, key=lambda s: (s.step, s.kind.value)):
+            expected = str(s.expected) if s.monitored else f"{s.expected} (not registered)"
+            t.add_row(str(s.step), s.kind.value, s.state.value, expected, str(len(s.started)), str(len(s.finished)),
+                      str(len(s.failed)), _ago(now - s.first_seen))
+        out.append(t)
+    failed = [s for s in status.steps if s.state.value == "failed"]
+    if failed:
+        t = _table("failed steps", "step", "kind", "cause")
+        for s in sorted(failed, key=lambda s: (s.step, s.kind.value)):
+            causes = [f"{f.unit}: {f.cause}" for f in s.failed] or [s.reason or "?"]
+            t.add_row(str(s.step), s.kind.value, "\n".join(causes))
+        out.append(t)
+    w = status.writers
+    out.append(f"writer slots ({w.strategy.value}): {len(w.holders)} writing"
+               + (f" ({', '.join(w.holders)})" if w.holders else "")
+               + f", {len(w.waiting)} queued" + (f" ({', '.join(w.waiting)})" if w.waiting else ""))
+    if status.mirror is not None:
+        out.append(_mirror(status, now))
+    if status.subscribers:
+        t = _table("weight subscribers", "subscriber", "kind", "serving", "since", "lag steps", "lag s", "live",
+                   "pins")
+        for s in status.subscribers:
+            t.add_row(s.name, s.kind.value, _dash(s.serving),
+                      "-" if s.serving_since is None else f"{_ago(now - s.serving_since)} ago", _dash(s.lag_steps),
+                      "-" if s.lag_s is None else f"{s.lag_s:.2f}", "yes" if s.live else "no",
+                      ", ".join(map(str, s.pins)) or "-")
+        out.append(t)
+    if status.pins:
+        out.append("read leases: " + ", ".join(f"step {p.step} by {p.subscriber} ({p.expires_in_s:.0f}s left)"
+                                               for p in status.pins))
+    r = status.retention
+    out.append(f"retention: {r.passes} passes, deleted steps {r.deleted_steps[-10:] or '-'}"
+               + (f", [red]{len(r.errors)} errors[/] (last: {r.errors[-1]})" if r.errors else ""))
+    out += [f"[yellow]warning[/]: {w}" for w in status.warnings]
+    return out
+
+
+def mirror_lag(status: Any, now: float) -> tuple[int | None, float | None]:
+    """How far the mirror is behind the root: in steps (the newest committed step against the
+    newest mirrored one) and in seconds (since the oldest step still waiting was queued)."""
+    m = status.mirror
+    newest = max((s for s in (status.trackers.checkpoint, status.trackers.state_dict) if s is not None), default=None)
+    mirrored = max((s for s in (m.trackers.checkpoint, m.trackers.state_dict) if s is not None), default=None)
+    steps = None if newest is None else max(0, newest - (mirrored or 0))
+    waiting = [s.queued_at for s in m.steps if s.state.value in ("queued", "uploading", "failed")]
+    return steps, (now - min(waiting)) if waiting else 0.0
+
+
+def _mirror(status: Any, now: float) -> Table:
+    m = status.mirror
+    lag_steps, lag_s = mirror_lag(status, now)
+    t = _table(f"mirror {m.url}: latest checkpoint {_dash(m.trackers.checkpoint)}, state dict "
+               f"{_dash(m.trackers.state_dict)}; lag {_dash(lag_steps)} steps, {lag_s:.1f} s; queue {m.queued or '-'}"
+               f"; {_size(m.uploaded_bytes)} uploaded, {m.retried_requests} retried requests",
+               "step", "state", "attempts", "size", "error")
+    for s in m.steps[-10:]:
+        t.add_row(str(s.step), s.state.value, str(s.attempts), _size(s.bytes), s.error or "")
+    if m.start_error:
+        t.caption = f"[red]could not start[/]: {m.start_error}"
+    return t
+
+
+def _table(title: str, *columns: str) -> Table:
+    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False)
+    for c in columns:
+        t.add_column(c, justify="left" if c in ("kind", "state", "cause", "error", "subscriber", "pins") else "right")
+    return t
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _size(n: int) -> str:
+    from ckptd.cli.steps import size
+
+    return size(n)

@@ -161,7 +161,8 @@ def waiting_for_saves() -> bool:
 
 
 def test_sigterm_while_the_steps_save_is_in_flight_waits_for_it_instead_of_saving_again(make_monitor, tmp_path):
-    monitor = make_monitor(str(tmp_path / "ckpt"))
+    mirror = str(tmp_path / "mirror")
+    monitor = make_monitor(str(tmp_path / "ckpt"), mirror=mirror)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="rank0")
     save = Saver(coord)
     before = signal.getsignal(signal.SIGTERM)
@@ -178,7 +179,8 @@ def test_sigterm_while_the_steps_save_is_in_flight_waits_for_it_instead_of_savin
     assert signal.getsignal(signal.SIGTERM) == before  # close() put the previous handler back
 
     assert outcome.step == 4 and outcome.source == "signal" and outcome.detail == "SIGTERM"
-    assert outcome.saved is False and outcome.committed and outcome.mirrored is None and outcome.error is None
+    assert outcome.saved is False and outcome.committed and outcome.mirrored and outcome.error is None
+    assert ckptd.latest_step(mirror) == 4  # the guard waited for the upload too
     assert outcome.exit_code == ckptd.PREEMPTED_EXIT_CODE
     assert save.calls == [4]  # save_fn was not called again
     st = status(monitor).step(4)

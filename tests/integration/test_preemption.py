@@ -64,8 +64,11 @@ class Job:
                 p.kill()
                 p.wait()
 
+    def log_of(self, rank: int) -> str:
+        return (self.logs / f"rank{rank}.log").read_text(errors="replace")
+
     def log_text(self) -> str:
-        return "\n".join((self.logs / f"rank{r}.log").read_text(errors="replace") for r in range(len(self.procs)))
+        return "\n".join(self.log_of(r) for r in range(len(self.procs)))
 
 
 @pytest.fixture
@@ -105,6 +108,8 @@ def test_sigterm_to_one_rank_saves_the_current_step_on_every_rank_and_resume_res
     assert job.wait() == [ckptd.PREEMPTED_EXIT_CODE] * 2, job.log_text()
     final = job.steps_done(0)
     assert final == job.steps_done(1) >= at_signal  # the ranks agreed on the step they stopped at
+    assert "preemption notice (signal: SIGTERM)" in job.log_of(1)
+    assert "preemption notice (peer: " in job.log_of(0)  # rank 0 heard of it from rank 1's vote
     assert ckptd.latest_step(root) == final  # the final step, not the last periodic one
     ckptd.verify(root, final)
     st = status(monitor).step(final)

@@ -42,6 +42,21 @@ def train_step(model, optimizer, step: int, rank: int, world: int) -> None:
     optimizer.step()
 
 
+def until(get, what: str, timeout_s: float = 300.0):
+    """Poll ``get`` until it returns a value (the test starts this process before it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = get()
+        except ckptd.CheckpointError:
+            value = None
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=0)
@@ -55,14 +70,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--step-time", type=float, default=0.05)
     ap.add_argument("--grace", type=float, default=DEFAULT_GRACE_S)
-    ap.add_argument("--stall-final", action="store_true", help="the final (non-periodic) save never ends")
+    ap.add_argument("--go", required=True, help="train once this file exists (the test starts the "
+                    "processes early: importing torch and Ray takes seconds)")
+    ap.add_argument("--stall-final", action="store_true", help="a save started after the notice never ends")
     args = ap.parse_args()
     rank, world = args.rank, args.world
 
     ray.init(address=args.gcs, namespace=args.namespace, log_to_driver=False, configure_logging=False)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
-    coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(args.run), worker_id=f"rank{rank}")
+    coord = ckptd.CheckpointCoordinator(until(lambda: ckptd.get_monitor(args.run), "the monitor"),
+                                        worker_id=f"rank{rank}")
     model, optimizer = build()
     trace = f"{args.trace}/rank{rank}"
     os.makedirs(trace, exist_ok=True)
@@ -73,7 +91,7 @@ def main() -> None:
         weights = snapshot(model.state_dict())
         state = capture_training_state(epoch=0, step=step, step_in_epoch=step, rank=rank, world_size=world,
                                        optimizer=optimizer)
-        stall = args.stall_final and step % args.every != 0
+        stall = args.stall_final and guard.preempted  # the final save (not one started before the notice)
 
         def write() -> list:
             if stall:
@@ -85,6 +103,7 @@ def main() -> None:
         if rank == 0:
             coord.register(step, checkpoint_thread_count=world)
 
+    until(lambda: os.path.exists(args.go) or None, "the test's go")
     with ckptd.PreemptionGuard(coord, save, grace_s=args.grace, watch_ray_drain=False) as guard:
         for step in range(1, args.steps + 1):
             train_step(model, optimizer, step, rank, world)

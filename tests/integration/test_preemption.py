@@ -33,15 +33,20 @@ class Job:
     def __init__(self, tmp_path, run: str, world: int, *extra: str) -> None:
         self.trace = tmp_path / "trace"
         self.logs = tmp_path
+        self.go_file = tmp_path / "go"
         ctx = ray.get_runtime_context()
         port = free_port()
         self.procs = []
         for rank in range(world):
             cmd = [sys.executable, "-m", "tests.integration.preempt_job", "--rank", str(rank), "--world", str(world),
                    "--port", str(port), "--gcs", ctx.gcs_address, "--namespace", ctx.namespace, "--run", run,
-                   "--trace", str(self.trace), "--every", str(EVERY), *extra]
+                   "--trace", str(self.trace), "--every", str(EVERY), "--go", str(self.go_file), *extra]
             out = open(tmp_path / f"rank{rank}.log", "wb")
             self.procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+
+    def go(self) -> None:
+        """Start training (the processes wait for this once they are connected)."""
+        self.go_file.touch()
 
     def steps_done(self, rank: int) -> int:
         """The newest step ``rank`` has completed (its trace file exists)."""
@@ -71,12 +76,28 @@ class Job:
         return "\n".join(self.log_of(r) for r in range(len(self.procs)))
 
 
-@pytest.fixture
-def jobs():
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
+@pytest.fixture(scope="module")
+def jobs(ray_local, tmp_path_factory):
+    """The two jobs of the SIGTERM tests, their processes started together, before their monitors
+    (they wait for them): importing torch and Ray takes each process seconds, and this way those
+    seconds overlap. Each job trains once its test says go. name -> (monitor, root, job)."""
+    specs = {"agree": (2, ()), "stall": (1, ("--grace", "1.5", "--stall-final"))}
+    started = {}
+    for name, (world, extra) in specs.items():
+        base = tmp_path_factory.mktemp(name)
+        run = f"{name}-{os.getpid()}"
+        started[name] = (run, base, Job(base, run, world, *extra))
+    out = {}
+    try:
+        for name, (run, base, job) in started.items():
+            root = str(base / "ckpt")
+            out[name] = (ckptd.start_monitor(root, run=run), root, job)
+        yield out
+    finally:
+        for _, _, job in started.values():
+            job.kill()
+        for monitor, _, _ in out.values():
+            ray.kill(monitor, no_restart=True)
 
 
 def assert_resumes_exactly(root: str, job: Job, step: int, world: int) -> None:
@@ -93,14 +114,11 @@ def assert_resumes_exactly(root: str, job: Job, step: int, world: int) -> None:
                 zip(momentum, expected["optimizer"]["state"].values(), strict=True)] == [True, True]
 
 
-def test_sigterm_to_one_rank_saves_the_current_step_on_every_rank_and_resume_restores_it(
-        make_monitor, tmp_path, run_name, jobs):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    job = Job(tmp_path, run_name, 2)
-    jobs.append(job)
+def test_sigterm_to_one_rank_saves_the_current_step_on_every_rank_and_resume_restores_it(jobs):
+    monitor, root, job = jobs["agree"]
+    job.go()
     # Seen progress: a periodic checkpoint committed and two more steps trained.
-    wait_for(lambda: ckptd.latest_step(root) == EVERY and job.steps_done(1) >= EVERY + 2, timeout_s=90,
+    wait_for(lambda: (ckptd.latest_step(root) or 0) >= EVERY and job.steps_done(1) >= EVERY + 2, timeout_s=90,
              what="the job to commit its first periodic checkpoint and train on")
     at_signal = job.steps_done(1)
     job.procs[1].send_signal(signal.SIGTERM)  # only rank 1's node is preempted
@@ -117,13 +135,10 @@ def test_sigterm_to_one_rank_saves_the_current_step_on_every_rank_and_resume_res
     assert_resumes_exactly(root, job, final, 2)
 
 
-def test_a_final_save_that_misses_the_grace_deadline_exits_with_the_incomplete_code(
-        make_monitor, tmp_path, run_name, jobs):
-    root = str(tmp_path / "ckpt")
-    make_monitor(root)
-    job = Job(tmp_path, run_name, 1, "--grace", "1.5", "--stall-final")
-    jobs.append(job)
-    wait_for(lambda: ckptd.latest_step(root) == EVERY and job.steps_done(0) >= EVERY + 1, timeout_s=90,
+def test_a_final_save_that_misses_the_grace_deadline_exits_with_the_incomplete_code(jobs):
+    _, root, job = jobs["stall"]
+    job.go()
+    wait_for(lambda: (ckptd.latest_step(root) or 0) >= EVERY and job.steps_done(0) >= EVERY + 1, timeout_s=90,
              what="the job to commit its first periodic checkpoint")
     job.procs[0].send_signal(signal.SIGTERM)
     t0 = time.monotonic()
@@ -131,8 +146,11 @@ def test_a_final_save_that_misses_the_grace_deadline_exits_with_the_incomplete_c
     assert job.wait() == [ckptd.PREEMPTION_INCOMPLETE_EXIT_CODE], job.log_text()
     assert time.monotonic() - t0 < 30  # the stuck save thread did not hold the exit
     assert "is NOT committed within the deadline" in job.log_text()
-    assert ckptd.latest_step(root) == EVERY  # resume falls back to the last commit
-    assert_resumes_exactly(root, job, EVERY, 1)
+    final = job.steps_done(0)
+    last_periodic = (final - 1) // EVERY * EVERY  # the newest save started before the notice
+    wait_for(lambda: ckptd.latest_step(root) == last_periodic, what="the last periodic commit")
+    assert last_periodic < final
+    assert_resumes_exactly(root, job, last_periodic, 1)  # resume falls back to the last commit
 
 
 class Saver:
@@ -165,10 +183,21 @@ def waiting_for_saves() -> bool:
     return any(t.name == "ckptd-preemption-wait" for t in threading.enumerate())
 
 
-def test_sigterm_while_the_steps_save_is_in_flight_waits_for_it_instead_of_saving_again(make_monitor, tmp_path):
-    mirror = str(tmp_path / "mirror")
-    monitor = make_monitor(str(tmp_path / "ckpt"), mirror=mirror)
+@pytest.fixture(scope="module")
+def rank0(ray_local, tmp_path_factory):
+    """A monitor with a mirror, and a coordinator: shared by the in-process tests (a monitor takes
+    seconds to start); each test saves steps of its own."""
+    base = tmp_path_factory.mktemp("in_process")
+    root, mirror = str(base / "ckpt"), str(base / "mirror")
+    monitor = ckptd.start_monitor(root, run=f"preempt-{os.getpid()}", mirror=mirror)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="rank0")
+    yield monitor, coord, root, mirror
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+
+
+def test_sigterm_while_the_steps_save_is_in_flight_waits_for_it_instead_of_saving_again(rank0):
+    monitor, coord, root, mirror = rank0
     save = Saver(coord)
     before = signal.getsignal(signal.SIGTERM)
     with ckptd.PreemptionGuard(coord, save, exit=False, watch_ray_drain=False) as guard:
@@ -185,35 +214,32 @@ def test_sigterm_while_the_steps_save_is_in_flight_waits_for_it_instead_of_savin
 
     assert outcome.step == 4 and outcome.source == "signal" and outcome.detail == "SIGTERM"
     assert outcome.saved is False and outcome.committed and outcome.mirrored and outcome.error is None
-    assert ckptd.latest_step(mirror) == 4  # the guard waited for the upload too
+    assert ckptd.verify(mirror, 4).step == 4  # the guard waited for the upload too
     assert outcome.exit_code == ckptd.PREEMPTED_EXIT_CODE
     assert save.calls == [4]  # save_fn was not called again
     st = status(monitor).step(4)
     assert st.committed and st.expected == 1 and len(st.started) == 1
-    coord.close()
 
 
-def test_a_stuck_final_save_returns_the_incomplete_outcome_at_the_deadline(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="rank0")
+def test_a_stuck_final_save_returns_the_incomplete_outcome_at_the_deadline(rank0):
+    monitor, coord, root, _ = rank0
     save = Saver(coord)
     with ckptd.PreemptionGuard(coord, save, grace_s=1.0, exit=False, watch_ray_drain=False) as guard:
         guard.notify("test")
         t0 = time.monotonic()
         outcome = guard.at_step_boundary(7)
         took = time.monotonic() - t0
-    assert save.calls == [7] and outcome.saved
+    assert save.calls == [7] and outcome.saved and outcome.source == "manual"
     assert not outcome.committed and not outcome.complete and "deadline" in outcome.error
     assert outcome.exit_code == ckptd.PREEMPTION_INCOMPLETE_EXIT_CODE
     assert took < 10
-    assert ckptd.latest_step(root) is None
-    save.open()  # let the save end, so that the coordinator closes
+    assert not status(monitor).step(7).committed
+    save.open()  # let the save end, so that the coordinator can close
     coord.wait_committed(7, timeout_s=60)
-    coord.close()
 
 
-def test_signal_handlers_need_the_main_thread(make_monitor, tmp_path):
-    coord = ckptd.CheckpointCoordinator(make_monitor(str(tmp_path / "ckpt")), worker_id="rank0")
+def test_signal_handlers_need_the_main_thread(rank0):
+    coord = rank0[1]
     errors, guards = [], []
 
     def build_guards() -> None:
@@ -228,7 +254,6 @@ def test_signal_handlers_need_the_main_thread(make_monitor, tmp_path):
     t.join()
     assert len(errors) == 1 and "main thread" in errors[0] and "signals=()" in errors[0]
     assert len(guards) == 1 and not guards[0].preempted
-    coord.close()
 
 
 # -- a Ray node drain ---------------------------------------------------------------------------

@@ -244,7 +244,7 @@ class PreemptionGuard:
                 raise TimeoutError("this rank's saves were still running")
             self._coord.wait_committed(step, self._is_state_dict, timeout_s=_left(deadline))
             committed = True
-            if committed and self._wait_mirror and self._coord.has_mirror:
+            if self._wait_mirror and self._coord.has_mirror:
                 mirrored = False
                 self._coord.wait_mirrored(step, timeout_s=_left(deadline))
                 mirrored = True
@@ -263,9 +263,9 @@ class PreemptionGuard:
                         " and mirrored" if mirrored else "", outcome.elapsed_s,
                         f" (an earlier save failed: {outcome.error})" if outcome.error else "")
         else:
-            log.error("preemption: step %d is NOT %s within the deadline (%.1f s after the notice): %s; "
-                      "the job will resume from the newest earlier commit", step,
-                      "committed" if not committed else "mirrored", outcome.elapsed_s, outcome.error)
+            log.error("preemption: step %d is NOT %s (%.1f s after the notice): %s; the job will resume from "
+                      "the newest earlier commit", step, "mirrored" if committed else "committed",
+                      outcome.elapsed_s, outcome.error)
         return outcome
 
     def _wait_saves(self, deadline: float) -> tuple[bool, list[str]]:

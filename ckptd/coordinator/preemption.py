@@ -115,7 +115,10 @@ class PreemptionGuard:
             raise CheckpointConfigError(f"drain_poll_s must be a positive number of seconds, got {drain_poll_s!r}")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise CheckpointConfigError(f"check_every must be an int >= 1, got {check_every!r}")
-        signals = tuple(signal.Signals(s) for s in signals)
+        try:
+            signals = tuple(signal.Signals(s) for s in signals)
+        except (TypeError, ValueError) as e:
+            raise CheckpointConfigError(f"signals must be signal numbers such as signal.SIGTERM: {e}") from e
         if signals and threading.current_thread() is not threading.main_thread():
             raise CheckpointConfigError(
                 "PreemptionGuard installs signal handlers, which Python allows only in the main thread; create it "
@@ -131,13 +134,17 @@ class PreemptionGuard:
         self._notice: Notice | None = None  # written by handlers and the watch thread, read by the loop
         self._outcome: PreemptionOutcome | None = None
         self._previous: dict[signal.Signals, Any] = {}
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
         self._watch: DrainWatch | None = None
-        if watch_ray_drain:
-            import ray
+        try:
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            if watch_ray_drain:
+                import ray
 
-            self._watch = DrainWatch(ray.get_runtime_context().get_node_id(), float(drain_poll_s), self._record)
+                self._watch = DrainWatch(ray.get_runtime_context().get_node_id(), float(drain_poll_s), self._record)
+        except BaseException:
+            self.close()  # put back the handlers already replaced
+            raise
 
     # -- notices -------------------------------------------------------------------------------
 

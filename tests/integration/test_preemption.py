@@ -239,8 +239,14 @@ def test_a_stuck_final_save_returns_the_incomplete_outcome_at_the_deadline(rank0
     coord.wait_committed(7, timeout_s=60)
 
 
-def test_signal_handlers_need_the_main_thread(rank0):
+def test_bad_arguments_and_signal_handlers_off_the_main_thread_are_refused(rank0):
     coord = rank0[1]
+    before = signal.getsignal(signal.SIGTERM)
+    for bad, match in [({"grace_s": 0}, "grace_s"), ({"signals": (12345,)}, "signals"),
+                       ({"check_every": 0}, "check_every"), ({"drain_poll_s": -1}, "drain_poll_s")]:
+        with pytest.raises(ckptd.CheckpointConfigError, match=match):
+            ckptd.PreemptionGuard(coord, lambda step: None, watch_ray_drain=False, **bad)
+    assert signal.getsignal(signal.SIGTERM) == before
     errors, guards = [], []
 
     def build_guards() -> None:

@@ -6,6 +6,8 @@ Saves run in background threads so training continues; a step is committed (mani
 
 from ckptd.config import Kind, MonitorOptions, SaveStrategy
 from ckptd.coordinator import CheckpointCoordinator
+from ckptd.coordinator.notice import PREEMPTED_EXIT_CODE, PREEMPTION_INCOMPLETE_EXIT_CODE, PreemptionOutcome
+from ckptd.coordinator.preemption import PreemptionGuard
 from ckptd.errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -26,6 +28,8 @@ from ckptd.verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTION_INCOMPLETE_EXIT_CODE",
     "CheckpointConfigError",
     "CheckpointCoordinator",
     "CheckpointError",
@@ -35,6 +39,8 @@ __all__ = [
     "Kind",
     "MonitorOptions",
     "MonitorStatus",
+    "PreemptionGuard",
+    "PreemptionOutcome",
     "RegistrationConflictError",
     "ResumeState",
     "SaveStrategy",

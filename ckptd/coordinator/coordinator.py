@@ -108,6 +108,8 @@ class CheckpointCoordinator:
         self._lock = threading.Lock()
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
+        self._last_saved: dict[Kind, int] = {}  # newest step each kind was asked to save
+        self._has_mirror = cfg["options"].get("mirror") is not None
         self._closed = self._runner.closed
         self._check_shared_root()
         _live.add(self)
@@ -125,6 +127,21 @@ class CheckpointCoordinator:
     @property
     def worker_id(self) -> str:
         return self._worker
+
+    @property
+    def has_mirror(self) -> bool:
+        """Whether the monitor uploads committed steps to a mirror (``start_monitor(mirror=...)``)."""
+        return self._has_mirror
+
+    def last_saved_step(self, is_state_dict: bool = False) -> int | None:
+        """The newest step this coordinator was asked to save (by ``save_async``,
+        ``save_state_async`` or ``save_sync``) for that kind, or None; the save may still run."""
+        with self._lock:
+            return self._last_saved.get(Kind.from_flag(is_state_dict))
+
+    def _saw(self, unit: UnitId) -> None:
+        with self._lock:
+            self._last_saved[unit.kind] = max(unit.step, self._last_saved.get(unit.kind, unit.step))
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -167,6 +184,7 @@ class CheckpointCoordinator:
             if lane is None:
                 lane = self._lanes[name] = Lane(name, self._run_job, self._max_pending)
         lane.queue.put(Job(unit, save_fn))  # blocks while max_pending units are queued
+        self._saw(unit)
 
     def save_state_async(
         self,
@@ -285,6 +303,7 @@ class CheckpointCoordinator:
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
+        self._saw(unit)
         err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
         if err is not None:
             raise err from err.__cause__

@@ -1,4 +1,4 @@
-"""The commit rule, one test per row of the README's semantics table (no Ray, no I/O)."""
+"""The commit rule, one test per row of the semantics table in docs/contract.md (no Ray, no I/O)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     retire.add_argument("--after", type=int, required=True, help="keep steps up to and including this one")
     retire.add_argument("--mirror", default=None, help="the run's mirror URL, retired too")
     retire.add_argument("--yes", action="store_true", help="do it; without it, only list what would go")
+    retire.add_argument("--address", default="auto",
+                        help="the Ray cluster where the root's monitor would live: refused while it is live "
+                             "(default: auto; none found: nothing to check)")
     args = parser.parse_args(argv)
 
     if args.command in ("latest", "ls", "show", "export-hf"):
@@ -87,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _retire(args: argparse.Namespace) -> int:
+    from ckptd.cli.cluster import refuse_live_root
     from ckptd.errors import CheckpointError
     from ckptd.layout import scan_steps
     from ckptd.retire import retire_steps
     from ckptd.storage import Storage
 
     try:
+        refuse_live_root(args.root, args.address, "retiring steps")
         newer = sorted(s for s in scan_steps(Storage(args.root)) if s > args.after)
         if not args.yes:
             print(f"would retire steps {newer} under {args.root}; run again with --yes")

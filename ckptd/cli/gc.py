@@ -59,6 +59,7 @@ def _at_least_one(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ckptd.cli.cluster import refuse_live_root
     from ckptd.cli.progress import bar
     from ckptd.cli.steps import size
     from ckptd.errors import CheckpointError
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        _refuse_live(args.root, args.address)
+        refuse_live_root(args.root, args.address, "collecting garbage")
         plan = plan_gc(args.root, policy=policy, min_idle_s=args.min_idle, mirror=args.mirror)
         removed = plan.items
         if not args.dry_run and plan.items:
@@ -99,26 +100,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"{verb} {len(removed)} items, {size(sum(g.bytes for g in removed))} under {plan.root}"
           + ("; run again without --dry-run to remove them" if args.dry_run and removed else ""))
     return 0
-
-
-def _refuse_live(root: str, address: str) -> None:
-    """Refuse while a monitor of the root is live in a reachable Ray cluster: its retention owns
-    the root, and a step it is committing has no manifest yet."""
-    import logging
-
-    import ray
-
-    from ckptd.retire import refuse_live
-    from ckptd.storage import Storage
-
-    if ray.is_initialized():  # called from a driver (a script, a test): ask its cluster
-        refuse_live(Storage(root), "collecting garbage")
-        return
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
-    except ConnectionError:
-        return  # no cluster here: only --min-idle protects a job elsewhere
-    try:
-        refuse_live(Storage(root), "collecting garbage")
-    finally:
-        ray.shutdown()

@@ -77,6 +77,12 @@ def test_status_shows_steps_in_flight_failures_writers_and_the_mirror(make_monit
         assert "writer slots (unrestricted): " in text
         assert "mirror " in text and "lag 0 steps" in text  # step 1 mirrored, nothing newer committed
 
+        # The commands that change a root ask the cluster first: this root's monitor is live.
+        for argv in (("retire", "--after", "0", "--yes"), ("gc", "--min-idle", "0")):
+            refused = cli(argv[0], str(tmp_path / "ckpt"), *argv[1:], "--address", address, check=False)
+            assert refused.returncode == 1 and "is live" in refused.stderr, refused.stderr
+        assert ckptd.latest_step(str(tmp_path / "ckpt")) == 1
+
         missing = cli("status", "no-such-run", "--address", address, check=False)
         assert missing.returncode == 1 and "no-such-run" in missing.stderr
     finally:

@@ -1,5 +1,5 @@
 """The ``ckptd`` command line: ``demo``, ``status``, ``latest``, ``ls``, ``show``, ``verify``,
-``export-hf`` and ``retire``."""
+``export-hf``, ``retire`` and ``timeline``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ckptd import __version__
-    from ckptd.cli import steps
+    from ckptd.cli import steps, timeline
 
     parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous checkpointing on Ray.")
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
     status.add_argument("--json", action="store_true", help="print the whole status as JSON")
     steps.add_parsers(sub, "")
+    timeline.add_parser(sub)
     verify = sub.add_parser("verify", help="check every file of a committed step against its manifest")
     verify.add_argument("root")
     verify.add_argument("--step", type=int, default=None, help="the step (default: the newest checkpoint)")
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command in ("latest", "ls", "show", "export-hf"):
         return steps.run(args)
+    if args.command == "timeline":
+        return timeline.run(args)
     if args.command == "retire":
         return _retire(args)
     if args.command == "status":

@@ -27,6 +27,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--run", default=None, help="with a root: the run to draw, if several ran there")
     p.add_argument("--root", action="store_true", help="treat RUN_OR_ROOT as a root even if no such path exists "
                                                        "here (a relative path that looks like a run name)")
+    p.add_argument("--attempt", default="newest",
+                   help="the attempt (job) to draw when several jobs of the run used the root: a number, 'newest' "
+                        "(the default) or 'all'")
     p.add_argument("--storage-options", default=None, help="with a root: fsspec options as JSON")
     p.add_argument("--namespace", default=None, help="with a run: the monitor's Ray namespace")
     p.add_argument("--address", default="auto", help="with a run: the Ray cluster to connect to (default: auto)")
@@ -38,7 +41,7 @@ def _is_root(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from ckptd.errors import CheckpointError
-    from ckptd.timeline import render, spans_of_root
+    from ckptd.timeline import newest_attempt, render, spans_of_root
 
     try:
         if _is_root(args):
@@ -46,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
             run_name, spans = spans_of_root(args.source, args.run, options)
         else:
             run_name, spans = _live(args)
+        if args.attempt == "newest":
+            spans = newest_attempt(spans)
+        elif args.attempt != "all":
+            spans = [s for s in spans if str(s.attempt) == args.attempt]
         layout = render(spans, args.out, run_name)
     except CheckpointError as e:
         print(f"FAILED: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ from a live monitor), :func:`build_layout` places them, and :func:`render` write
 """
 
 from ckptd.timeline.layout import Bar, Layout, Row, StepMark, StepNumbers, build_layout
-from ckptd.timeline.source import render, spans_of_root, spans_of_run
+from ckptd.timeline.source import newest_attempt, render, spans_of_root, spans_of_run
 
-__all__ = ["Bar", "Layout", "Row", "StepMark", "StepNumbers", "build_layout", "render", "spans_of_root",
-           "spans_of_run"]
+__all__ = ["Bar", "Layout", "Row", "StepMark", "StepNumbers", "build_layout", "newest_attempt", "render",
+           "spans_of_root", "spans_of_run"]

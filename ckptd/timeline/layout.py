@@ -162,8 +162,13 @@ def build_layout(spans: Iterable[Span], run: str = "") -> Layout:
             rows.append(Row(f"unit:{w}:{name}", f"{w} · {name}", UNIT, w, _by_start(bars)))
         blocked = [_bar(s, t0) for s in mine if s.lane == BLOCKED]
         if blocked:
-            median = statistics.median(b.end - b.start for b in blocked)
-            rows.append(Row(f"blocked:{w}", f"{w} · blocked (median {_ms(median)})", BLOCKED, w, _by_start(blocked)))
+            # Per step (a step's save calls and its fence together): what a training step lost.
+            per_step: dict[int, float] = defaultdict(float)
+            for b in blocked:
+                per_step[b.step] += b.end - b.start
+            median, most = statistics.median(per_step.values()), max(per_step.values())
+            rows.append(Row(f"blocked:{w}", f"{w} · blocked/step: median {_ms(median)}, max {_ms(most)}", BLOCKED, w,
+                            _by_start(blocked)))
     for lane, title in ((COMMIT, "monitor · commit"), (MIRROR, "monitor · mirror upload")):
         bars = [_bar(s, t0) for s in spans if s.lane == lane]
         if bars:

@@ -33,13 +33,14 @@ def _matplotlib():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError as e:
         raise CheckpointError(
             "drawing a PNG timeline needs matplotlib: pip install 'ckptd[viz]' (or write --out FILE.html, "
             "which needs nothing)"
         ) from e
-    return Figure, FigureCanvasAgg, Patch
+    return Figure, FigureCanvasAgg, Patch, Line2D
 
 
 def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 110) -> None:
@@ -48,7 +49,7 @@ def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 11
     Raises:
         CheckpointError: matplotlib is not installed, or the layout has no rows.
     """
-    Figure, FigureCanvasAgg, Patch = _matplotlib()
+    Figure, FigureCanvasAgg, Patch, Line2D = _matplotlib()
     if not layout.rows:
         raise CheckpointError(f"run {layout.run!r} has no timeline events to draw")
     rows = layout.rows
@@ -71,9 +72,13 @@ def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 11
             ax.broken_barh([(start, max(bar.end - start, min_w))], (y - 0.32, 0.64), color=color,
                            edgecolor="white", linewidth=0.4)
         if row.lane in ("commit", "mirror"):
-            for bar in row.bars:
-                ax.text(bar.start + max(bar.end - bar.start, min_w) / 2, y + 0.36, bar.label, ha="center",
-                        va="bottom", fontsize=7, color="#333333")
+            for bar in row.bars:  # the step number: inside a wide bar, else just after it
+                width = max(bar.end - bar.start, min_w)
+                if width > span * 0.025:
+                    ax.text(bar.start + width / 2, y, bar.label, ha="center", va="center", fontsize=7, color="white")
+                else:
+                    ax.text(bar.start + width + span * 0.002, y, bar.label, ha="left", va="center", fontsize=7,
+                            color="#333333")
     # Separate the workers' groups from each other and from the monitor's rows.
     for i in range(1, n):
         if rows[i].worker != rows[i - 1].worker:
@@ -95,9 +100,11 @@ def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 11
     top.set_xlabel("step (where its first save started)", fontsize=9)
     used = {b.color for r in rows for b in r.bars}
     handles = [Patch(color=COLORS[k], label=LEGEND[k]) for k in COLORS if k in used]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28 if n < 6 else -0.12 - 0.9 / n),
-              ncol=len(handles), fontsize=8, frameon=False)
+    if any(b.ready is not None and b.ready > b.start for r in rows for b in r.bars):
+        handles.append(Line2D([], [], color="#777777", alpha=0.6, linewidth=3,
+                              label="unit waiting to be admitted (or for a writer slot)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     title = f"ckptd timeline, run {layout.run}" if layout.run else "ckptd timeline"
     ax.set_title(f"{title}: {len(marks)} steps in {layout.duration:.1f} s", fontsize=11, pad=28)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
     fig.savefig(path, format="png")

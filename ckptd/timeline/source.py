@@ -51,6 +51,14 @@ def spans_of_run(monitor: Any) -> tuple[str, list[Span]]:
     return answer["run"], [Span.from_dict(d) for d in answer["spans"]]
 
 
+def newest_attempt(spans: list[Span]) -> list[Span]:
+    """The spans of the newest attempt (job) among ``spans``: a new job of the same run on the same
+    root starts a new attempt, and drawing both would stretch the x axis over the pause between
+    them. A monitor restarted within a job keeps its attempt."""
+    newest = max((s.attempt for s in spans), default=0)
+    return [s for s in spans if s.attempt == newest]
+
+
 def render(spans: list[Span], out: str, run: str = "") -> Layout:
     """Draw ``spans`` into ``out``: a ``.png`` (needs matplotlib) or an ``.html`` page.
 

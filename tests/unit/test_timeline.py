@@ -211,7 +211,7 @@ def test_layout_rows_bars_and_numbers():
     assert shards[0].start == pytest.approx(0.01) and shards[0].ready == pytest.approx(0.26)
     assert "admitted after 250.0 ms, wrote for 750.0 ms" in shards[0].tooltip
     assert layout.row("unit:rank2:late").bars[0].color == "failed"
-    assert layout.row("blocked:rank2").title == "rank2 · blocked (median 10.0 ms)"
+    assert layout.row("blocked:rank2").title == "rank2 · blocked/step: median 10.0 ms, max 10.0 ms"
     assert [(m.step, round(m.start, 2), round(m.committed, 2)) for m in layout.steps] == [(1, 0.0, 2.06),
                                                                                          (2, 10.0, 12.06)]
     first, second = layout.table
@@ -228,3 +228,11 @@ def test_html_is_self_contained_and_escapes_names():
     assert "<script" not in page and "<w>" not in page and "&lt;w&gt;" in page
     assert '<title>step 1: &lt;w&gt;/a&amp;b (checkpoint)' in page
     assert page.count('class="span"') == 2 and page.count("<tr data-step=") == 1
+
+
+def test_only_the_newest_attempt_is_drawn_by_default():
+    from ckptd.timeline import newest_attempt
+
+    spans = [unit_span(1, attempt=0), unit_span(1, start=5000.0, attempt=1), unit_span(2, start=5010.0, attempt=1)]
+    assert [(s.step, s.attempt) for s in newest_attempt(spans)] == [(1, 1), (2, 1)]
+    assert newest_attempt([]) == []

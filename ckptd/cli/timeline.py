@@ -30,7 +30,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attempt", default="newest",
                    help="the attempt (job) to draw when several jobs of the run used the root: a number, 'newest' "
                         "(the default) or 'all'")
-    p.add_argument("--storage-options", default=None, help="with a root: fsspec options as JSON")
+    p.add_argument("--storage-options", default=None, type=json.loads, help="with a root: fsspec options as JSON")
     p.add_argument("--namespace", default=None, help="with a run: the monitor's Ray namespace")
     p.add_argument("--address", default="auto", help="with a run: the Ray cluster to connect to (default: auto)")
 
@@ -45,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if _is_root(args):
-            options = json.loads(args.storage_options) if args.storage_options else None
-            run_name, spans = spans_of_root(args.source, args.run, options)
+            run_name, spans = spans_of_root(args.source, args.run, args.storage_options)
         else:
             run_name, spans = _live(args)
         if args.attempt == "newest":
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.attempt != "all":
             spans = [s for s in spans if str(s.attempt) == args.attempt]
         layout = render(spans, args.out, run_name)
-    except CheckpointError as e:
+    except (CheckpointError, ConnectionError) as e:  # ConnectionError: no Ray cluster at --address
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
     units = sum(len(r.bars) for r in layout.rows if r.lane == "unit")

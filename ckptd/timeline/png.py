@@ -43,6 +43,11 @@ def _matplotlib():
     return Figure, FigureCanvasAgg, Patch, Line2D
 
 
+def _text_width(text: str, span: float, points: float = 7) -> float:
+    """Roughly how much of the x axis ``text`` covers (the axes are about 11 inches wide)."""
+    return span * (len(text) + 1) * points * 0.6 / 72 / 11
+
+
 def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 110) -> None:
     """Write ``layout`` to ``path`` as a PNG.
 
@@ -72,13 +77,16 @@ def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 11
             ax.broken_barh([(start, max(bar.end - start, min_w))], (y - 0.32, 0.64), color=color,
                            edgecolor="white", linewidth=0.4)
         if row.lane in ("commit", "mirror"):
+            free = -span  # where the last label ended: labels that would overlap it are left out
             for bar in row.bars:  # the step number: inside a wide bar, else just after it
                 width = max(bar.end - bar.start, min_w)
-                if width > span * 0.025:
-                    ax.text(bar.start + width / 2, y, bar.label, ha="center", va="center", fontsize=7, color="white")
-                else:
-                    ax.text(bar.start + width + span * 0.002, y, bar.label, ha="left", va="center", fontsize=7,
-                            color="#333333")
+                text_w = _text_width(bar.label, span)
+                inside = width > text_w * 1.3
+                x = bar.start + width / 2 - text_w / 2 if inside else bar.start + width + span * 0.002
+                if x < free:
+                    continue
+                free = x + text_w
+                ax.text(x, y, bar.label, ha="left", va="center", fontsize=7, color="white" if inside else "#333333")
     # Separate the workers' groups from each other and from the monitor's rows.
     for i in range(1, n):
         if rows[i].worker != rows[i - 1].worker:
@@ -94,9 +102,14 @@ def draw_png(layout: Layout, path: str, *, width_in: float = 14.0, dpi: int = 11
     every = max(1, -(-len(marks) // _MAX_STEP_LABELS))
     for m in marks:
         ax.axvline(m.start, color="#bbbbbb", linewidth=0.6, linestyle=":", zorder=0)
+    labelled, free = [], -span
+    for m in marks[::every]:  # left to right, leaving out labels that would overlap the previous one
+        if m.start - _text_width(str(m.step), span, 8) / 2 >= free:
+            labelled.append(m)
+            free = m.start + _text_width(str(m.step), span, 8) / 2
     top = ax.secondary_xaxis("top")
-    top.set_xticks([m.start for m in marks[::every]])
-    top.set_xticklabels([str(m.step) for m in marks[::every]], fontsize=8)
+    top.set_xticks([m.start for m in labelled])
+    top.set_xticklabels([str(m.step) for m in labelled], fontsize=8)
     top.set_xlabel("step (where its first save started)", fontsize=9)
     used = {b.color for r in rows for b in r.bars}
     handles = [Patch(color=COLORS[k], label=LEGEND[k]) for k in COLORS if k in used]

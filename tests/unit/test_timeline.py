@@ -236,3 +236,18 @@ def test_only_the_newest_attempt_is_drawn_by_default():
     spans = [unit_span(1, attempt=0), unit_span(1, start=5000.0, attempt=1), unit_span(2, start=5010.0, attempt=1)]
     assert [(s.step, s.attempt) for s in newest_attempt(spans)] == [(1, 1), (2, 1)]
     assert newest_attempt([]) == []
+
+
+def test_png_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from ckptd.errors import CheckpointError
+    from ckptd.timeline import render
+
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without the viz extra sees
+    with pytest.raises(CheckpointError, match=r"pip install 'ckptd\[viz\]'"):
+        render([unit_span(1)], str(tmp_path / "t.png"), "r")
+    assert not (tmp_path / "t.png").exists()
+    render([unit_span(1)], str(tmp_path / "t.html"), "r")  # HTML needs nothing
+    assert (tmp_path / "t.html").stat().st_size > 1000

@@ -21,8 +21,9 @@ import torch
 
 import ckptd
 from ckptd.cli import main as cli_main
-from ckptd.monitor.events import BLOCKED, MIRROR, UNIT
+from ckptd.monitor.events import BLOCKED, COMMIT, MIRROR, UNIT
 from ckptd.timeline import build_layout, render, spans_of_root, spans_of_run
+from tests.integration.helpers import restart_monitor
 
 STEPS = 4
 WORKERS = 2
@@ -180,6 +181,16 @@ def test_live_run_drawn_through_the_cli(finished_run, tmp_path):
     _check_html(html)
 
 
+def test_a_crashed_monitor_comes_back_with_the_history_it_flushed(finished_run):
+    monitor = finished_run["monitor"]
+    before = _wait_for_spans(monitor, _complete)
+    assert ray.get(monitor.timeline.remote(flush=True))["flushed"] is True
+    restart_monitor(monitor, how="SIGKILL")
+    run, after = spans_of_run(monitor)
+    assert run == finished_run["run"]
+    assert sorted(after, key=repr) == sorted(before, key=repr)
+
+
 def test_finished_run_drawn_from_the_root(finished_run, tmp_path):
     monitor = finished_run["monitor"]
     live = _wait_for_spans(monitor, _complete)
@@ -195,3 +206,21 @@ def test_finished_run_drawn_from_the_root(finished_run, tmp_path):
     _check_png(png)
     _check_html(html)
     assert cli_main(["timeline", finished_run["root"], "--out", html, "--run", "nope"]) == 1
+
+
+def test_events_persist_on_an_object_store(s3_root):
+    """Chunks and snapshots on a real S3-protocol server: no append, no rename needed."""
+    from ckptd.monitor.events import EventLog, EventStore, Span, read_events
+    from ckptd.storage import Storage
+
+    url, options = s3_root
+    storage = Storage(url, options)
+    log, store = EventLog(max_steps=4), EventStore(storage, "s3-run", max_chunks=2)
+    for step in range(1, 7):
+        log.add([Span(UNIT, step, 100.0 + step, 100.5 + step, worker="rank0", name="model", kind="checkpoint"),
+                 Span(COMMIT, step, 101.0 + step, 101.1 + step, name="checkpoint")])
+        store.write(log.take_unflushed(), log.spans())
+    # Two chunks, a snapshot (superseding them), two chunks, a snapshot: steps 3-6 are kept.
+    assert [s.step for s in read_events(storage, "s3-run")] == [3, 3, 4, 4, 5, 5, 6, 6]
+    run, spans = spans_of_root(url, storage_options=options)
+    assert run == "s3-run" and spans == log.spans()

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -313,30 +314,30 @@ class TimingOutbox:
 
     def __init__(self, limit: int = _OUTBOX_LIMIT) -> None:
         self._lock = threading.Lock()
-        self._units: list[dict] = []
-        self._blocked: list[dict] = []
-        self._limit = limit
+        self._units: deque[dict] = deque(maxlen=limit)
+        self._blocked: deque[dict] = deque(maxlen=limit)
 
     def unit(self, unit: UnitId, start: float, admitted: float | None, end: float, error: str | None = None) -> None:
         """A unit ran from ``start`` (it asked to be admitted) through ``admitted`` (its save
         function started) to ``end`` (its receipt was written, or it failed with ``error``)."""
         entry = {"unit": unit.to_dict(), "start": start, "admitted": admitted, "end": end, "error": error}
         with self._lock:
-            self._units = (self._units + [entry])[-self._limit:]
+            self._units.append(entry)
 
     def blocked(self, worker: str, step: int, start: float, end: float, what: str) -> None:
         """The training thread spent ``start``..``end`` inside ``what`` (a save call, the fence)."""
         entry = {"worker": worker, "step": step, "start": start, "end": end, "what": what}
         with self._lock:
-            self._blocked = (self._blocked + [entry])[-self._limit:]
+            self._blocked.append(entry)
 
     def drain(self) -> dict | None:
         """Everything not sent yet, as a payload value (None if nothing)."""
         with self._lock:
             if not self._units and not self._blocked:
                 return None
-            out = {"units": self._units, "blocked": self._blocked}
-            self._units, self._blocked = [], []
+            out = {"units": list(self._units), "blocked": list(self._blocked)}
+            self._units.clear()
+            self._blocked.clear()
         return out
 
 

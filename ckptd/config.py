@@ -145,6 +145,10 @@ class MonitorOptions(RetentionLimits):
         keep_served: Retention also keeps the version each live subscriber reports serving.
         mirror: Upload committed steps to this fsspec URL in the background (a
             :class:`MirrorOptions`, or just its URL). Retention applies to each tier separately.
+        timeline_steps: How many steps' timeline events (``ckptd timeline``) the monitor keeps,
+            in memory and under ``root/.ckptd/events/{run}/``; the oldest steps go first.
+        timeline_flush_s: How often new timeline events are written under the root (a monitor
+            that is killed loses at most this much of the picture).
 
     NOTE: retention deletes whole step directories, and only committed steps older than the
     newest commit. The tracker targets and steps still being saved are never deleted.
@@ -165,6 +169,8 @@ class MonitorOptions(RetentionLimits):
     read_lease_s: float = Field(default=30.0)
     keep_served: bool = False
     mirror: MirrorOptions | None = None
+    timeline_steps: int = Field(default=1000)
+    timeline_flush_s: float = Field(default=2.0)
 
     @field_validator("step_dir_template")
     @classmethod
@@ -176,7 +182,8 @@ class MonitorOptions(RetentionLimits):
     def _mirror(cls, v: Any) -> Any:
         return {"url": v} if isinstance(v, str) else v
 
-    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s", "unregistered_warning_s", "read_lease_s")
+    @field_validator("step_timeout_s", "slot_lease_s", "leftover_grace_s", "unregistered_warning_s", "read_lease_s",
+                     "timeline_flush_s")
     @classmethod
     def _positive_seconds(cls, v: float, info) -> float:
         if not v > 0:
@@ -190,11 +197,11 @@ class MonitorOptions(RetentionLimits):
             raise ValueError(f"commit_retries must be >= 0 (0 means no retry), got {v}")
         return v
 
-    @field_validator("status_history")
+    @field_validator("status_history", "timeline_steps")
     @classmethod
-    def _history(cls, v: int) -> int:
+    def _history(cls, v: int, info) -> int:
         if v < 1:
-            raise ValueError(f"status_history must be >= 1, got {v}")
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
         return v
 
     @classmethod

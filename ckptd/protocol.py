@@ -6,6 +6,9 @@ Neither side imports the other's internals; both import this module. It holds:
 * :class:`UnitId`: one save unit, that is one ``save_async`` / ``save_sync`` call. Its ``call``
   id is unique across the run, so two calls with the same name and step are two units, and a
   notification that Ray or ckptd retries is the same unit;
+* the timing a coordinator sends with its notifications (:class:`TimingOutbox`): when each unit
+  ran and how long the training thread was blocked in save calls, in that process's wall clock,
+  for ``ckptd timeline``;
 * the ledger records under ``root/.ckptd/pending/{attempt}/{step}/``: registrations (written by
   the monitor before it acknowledges them), unit receipts (written by workers before they report
   a unit) and step failures (written by the monitor before it reports them). A restarted monitor
@@ -25,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -287,6 +291,63 @@ def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
                 rec.failed[unit] = (float(body["at"]), UnitFailure(**body["failure"]))
     rec.registrations.sort(key=lambda r: r.at)
     return rec
+
+
+# -- timing sent with notifications (for ``ckptd timeline``) ----------------------------------------
+
+TIMING_KEY = "timing"
+_OUTBOX_LIMIT = 10_000
+
+
+class TimingOutbox:
+    """What a coordinator measured and has not sent yet: unit spans and blocked intervals.
+
+    The entries ride along with the next notification a unit sends (the ``"timing"`` key of a
+    ``started`` or ``finished`` payload, which monitors that predate it ignore), or in a
+    ``("timing", None, payload)`` notification at :meth:`~ckptd.CheckpointCoordinator.wait_all`
+    when something is left. Thread-safe; bounded (the oldest entries go first), so a monitor that
+    never reads them cannot make a worker grow.
+
+    Timestamps are ``time.time()`` of the worker's process: on several nodes, the timeline is as
+    good as their clocks' agreement.
+    """
+
+    def __init__(self, limit: int = _OUTBOX_LIMIT) -> None:
+        self._lock = threading.Lock()
+        self._units: deque[dict] = deque(maxlen=limit)
+        self._blocked: deque[dict] = deque(maxlen=limit)
+
+    def unit(self, unit: UnitId, start: float, admitted: float | None, end: float, error: str | None = None) -> None:
+        """A unit ran from ``start`` (it asked to be admitted) through ``admitted`` (its save
+        function started) to ``end`` (its receipt was written, or it failed with ``error``)."""
+        entry = {"unit": unit.to_dict(), "start": start, "admitted": admitted, "end": end, "error": error}
+        with self._lock:
+            self._units.append(entry)
+
+    def blocked(self, worker: str, step: int, start: float, end: float, what: str) -> None:
+        """The training thread spent ``start``..``end`` inside ``what`` (a save call, the fence)."""
+        entry = {"worker": worker, "step": step, "start": start, "end": end, "what": what}
+        with self._lock:
+            self._blocked.append(entry)
+
+    def drain(self) -> dict | None:
+        """Everything not sent yet, as a payload value (None if nothing)."""
+        with self._lock:
+            if not self._units and not self._blocked:
+                return None
+            out = {"units": list(self._units), "blocked": list(self._blocked)}
+            self._units.clear()
+            self._blocked.clear()
+        return out
+
+
+def timing_of(payload: object) -> dict | None:
+    """The timing a notification payload carries, if any (payloads of older coordinators have none)."""
+    if isinstance(payload, dict):
+        timing = payload.get(TIMING_KEY)
+        if isinstance(timing, dict):
+            return timing
+    return None
 
 
 def default_worker_id(node_id: str, actor_id: str | None) -> str:

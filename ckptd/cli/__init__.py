@@ -1,5 +1,5 @@
 """The ``ckptd`` command line: ``demo``, ``status``, ``latest``, ``ls``, ``show``, ``verify``, ``gc``,
-``export-hf`` and ``retire``."""
+``export-hf``, ``retire`` and ``timeline``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ckptd import __version__
-    from ckptd.cli import gc, status, steps
+    from ckptd.cli import gc, status, steps, timeline
 
     parser = argparse.ArgumentParser(
         prog="ckptd", description="Asynchronous checkpointing on Ray. `ckptd COMMAND --help` explains each command.",
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_parser(sub)
     steps.add_parsers(sub, "")
     gc.add_parser(sub)
+    timeline.add_parser(sub)
     verify = sub.add_parser("verify", help="check every file of a committed step against its manifest",
                             description="Reads every file the step's manifests list and checks its size and "
                                         "CRC-32. Exit 0 when all match, 1 when a file is missing or differs "
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command in ("latest", "ls", "show", "export-hf"):
         return steps.run(args)
+    if args.command == "timeline":
+        return timeline.run(args)
     if args.command == "retire":
         return _retire(args)
     if args.command == "status":

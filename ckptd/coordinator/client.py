@@ -75,6 +75,11 @@ class MonitorClient:
             notifier = self._notifier
         return notifier.deliver(event)
 
+    def post_quietly(self, event: tuple) -> None:
+        """Submit one notification without waiting for it or retrying it (observability data
+        only: its loss costs a bar in ``ckptd timeline``, never a save)."""
+        self._handle.notify_batch.remote([event])
+
     def _reattach(self) -> None:
         if self._run is None:
             return

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -98,9 +99,11 @@ class CheckpointCoordinator:
         self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),
                                   "worker_id")
         node = ctx.get_node_id()
+        self._outbox = protocol.TimingOutbox()
         self._runner = UnitRunner(self._client, self._storage, self._template, self._attempt,
                                   SaveStrategy(cfg["save_strategy"]), float(cfg["slot_lease_s"]), node,
-                                  f"{node}:{os.getpid()}")
+                                  f"{node}:{os.getpid()}", self._outbox)
+        self._fence_step: int | None = None  # the step of the fenced copies before_update waits for
         self._max_pending = max_pending
         self._max_staged = max_staged
         self._stagers: dict[str, Stager] = {}
@@ -174,17 +177,26 @@ class CheckpointCoordinator:
         Raises:
             CheckpointConfigError: bad name, step or save_fn; nothing was started.
         """
+        started = time.time()
         unit = self._unit(name, global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
+        self._queue(unit, save_fn)
+        self._blocked(unit.step, started, "save_async")
+
+    def _queue(self, unit: UnitId, save_fn: Callable[[], Any]) -> None:
         with self._lock:
             if self._closed.is_set():
                 raise CheckpointError("this CheckpointCoordinator is closed")
-            lane = self._lanes.get(name)
+            lane = self._lanes.get(unit.name)
             if lane is None:
-                lane = self._lanes[name] = Lane(name, self._run_job, self._max_pending)
+                lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
         lane.queue.put(Job(unit, save_fn))  # blocks while max_pending units are queued
         self._saw(unit)
+
+    def _blocked(self, step: int, started: float, what: str) -> None:
+        """The training thread was held up from ``started`` until now (for ``ckptd timeline``)."""
+        self._outbox.blocked(self._worker, step, started, time.time(), what)
 
     def save_state_async(
         self,
@@ -225,6 +237,7 @@ class CheckpointCoordinator:
         NOTE: with ``fenced=True``, a call to :meth:`before_update` must come before the state
         changes, or the checkpoint mixes two steps; nothing can detect a missing fence.
         """
+        called_at = time.time()
         unit = self._unit(name, global_step, is_state_dict)
         leaves = tensors_of(state)
         if not leaves:
@@ -268,11 +281,14 @@ class CheckpointCoordinator:
                 stager.release(buf)
 
         try:
-            self.save_async(name, save_fn, global_step, is_state_dict)
+            self._queue(unit, save_fn)
         except BaseException:
             job.join()  # the staging thread may still be writing into the buffers
             stager.release(buf)
             raise
+        if fenced:
+            self._fence_step = unit.step
+        self._blocked(unit.step, called_at, "save_state_async (fenced)" if fenced else "save_state_async")
 
     def before_update(self) -> None:
         """Wait until every fenced staging copy has finished; call it before the optimizer step.
@@ -281,7 +297,11 @@ class CheckpointCoordinator:
         """
         staging = self._staging
         if staging is not None:
+            started = time.time()
             staging.fence()
+            step, self._fence_step = self._fence_step, None
+            if step is not None:
+                self._blocked(step, started, "before_update (fence)")
 
     def staged_bytes(self) -> int:
         """Host memory held by staging buffers, all names together."""
@@ -300,11 +320,15 @@ class CheckpointCoordinator:
         Raises:
             CheckpointSaveError: ``save_fn`` raised; the original exception is chained.
         """
+        started = time.time()
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
         self._saw(unit)
-        err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
+        try:
+            err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
+        finally:
+            self._blocked(unit.step, started, "save_sync")
         if err is not None:
             raise err from err.__cause__
 
@@ -320,6 +344,7 @@ class CheckpointCoordinator:
             lanes = list(self._lanes.values())
         for lane in lanes:
             lane.queue.join()
+        self._send_timing()
         with self._lock:
             errors, self._errors = self._errors, []
         if not errors:
@@ -342,6 +367,16 @@ class CheckpointCoordinator:
             for lane in lanes:
                 lane.queue.put(None)
             _live.discard(self)
+
+    def _send_timing(self) -> None:
+        """Send what the outbox still holds (blocked time measured after the units' last
+        notification): fire and forget, so neither a slow nor a dead monitor holds up the caller."""
+        timing = self._outbox.drain()
+        if timing is not None:
+            try:
+                self._client.post_quietly(("timing", None, {protocol.TIMING_KEY: timing}))
+            except Exception as e:  # observability only: never fail wait_all for it
+                log.warning("could not send save timings to the monitor: %s", e)
 
     def _drain(self) -> None:
         try:

@@ -8,6 +8,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ckptd import failpoints, protocol
@@ -33,10 +34,12 @@ class UnitRunner:
         storage, template, attempt: Where the run's files and records go.
         strategy, lease_s, node, process: Write throttling: slots are held with a lease, renewed
             by a heartbeat thread while any is held.
+        outbox: Where each unit's span goes; what it holds rides along with the notifications.
     """
 
     def __init__(self, client: MonitorClient, storage: Storage, template: StepDirTemplate, attempt: int,
-                 strategy: SaveStrategy, lease_s: float, node: str, process: str) -> None:
+                 strategy: SaveStrategy, lease_s: float, node: str, process: str,
+                 outbox: protocol.TimingOutbox | None = None) -> None:
         self._client = client
         self._storage = storage
         self._template = template
@@ -49,6 +52,7 @@ class UnitRunner:
         self._held: dict[str, tuple[str, str, str]] = {}
         self._heartbeat: threading.Thread | None = None
         self.closed = threading.Event()
+        self.outbox = outbox if outbox is not None else protocol.TimingOutbox()
 
     def run(self, job: Job, *, reraise_interrupts: bool = False) -> CheckpointSaveError | None:
         """Run one unit to its end and report it; return the error if it failed.
@@ -58,26 +62,31 @@ class UnitRunner:
         hand it to: there it is returned as the unit's error, which wait_all() raises."""
         unit = job.unit
         slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
+        span = _Span(time.time())
         try:
             self._start(unit, slot)
         except _Refused as e:
             # Not part of its step: nothing was written, and nothing is reported as failed.
             log.error("save %s of step %d (%s) refused: %s", unit.label, unit.step, unit.kind.value, e)
+            self._ended(unit, span, f"refused: {e}")
             return CheckpointSaveError(unit.step, unit.kind.value, unit.label, f"not saved: {e}")
         except Exception as e:
-            return self._report_failure(unit, e)
+            return self._report_failure(unit, e, span)
+        span.admitted = time.time()
         try:
             files, found = self._execute(unit, job.save_fn)
             failpoints.hit("after_unit_write")
             protocol.write_finished(self._storage, self._attempt, unit, files, found)
+            self._ended(unit, span)
             answer = self._client.notify(("finished", unit.to_dict(),
-                                          {"files": [f.model_dump() for f in files], "found": found}))
+                                          {"files": [f.model_dump() for f in files], "found": found,
+                                           **self._timing()}))
         except Exception as e:
-            return self._report_failure(unit, e)
+            return self._report_failure(unit, e, span)
         except BaseException as e:
             # Not an Exception, and yet the save failed: DCP's CheckpointException, a save_fn
             # that calls sys.exit, Ctrl-C during save_sync. The step must hear of it.
-            err = self._report_failure(unit, e)
+            err = self._report_failure(unit, e, span)
             if reraise_interrupts and isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             return err
@@ -101,7 +110,7 @@ class UnitRunner:
         # Before asking: a monitor that restarts after admitting the unit finds it still running.
         protocol.write_started(self._storage, self._attempt, unit)
         if self._strategy is SaveStrategy.UNRESTRICTED:
-            answer = self._client.notify(("started", unit.to_dict(), None))
+            answer = self._client.notify(("started", unit.to_dict(), self._timing() or None))
             refused = answer["refused"] if answer and "refused" in answer else None
         else:
             result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
@@ -148,11 +157,23 @@ class UnitRunner:
         name = find_step_dir(self._storage, step, self._template)
         return None if name is None else self._storage.join(name)
 
-    def _report_failure(self, unit: UnitId, exc: Exception) -> CheckpointSaveError:
+    def _timing(self) -> dict:
+        """The payload entry carrying what the outbox holds (older monitors ignore it)."""
+        timing = self.outbox.drain()
+        return {} if timing is None else {protocol.TIMING_KEY: timing}
+
+    def _ended(self, unit: UnitId, span: _Span, error: str | None = None) -> None:
+        if not span.recorded:  # once: a unit that fails after its receipt was written keeps that end
+            span.recorded = True
+            self.outbox.unit(unit, span.start, span.admitted, time.time(), error)
+
+    def _report_failure(self, unit: UnitId, exc: BaseException, span: _Span | None = None) -> CheckpointSaveError:
         failure = UnitFailure(
             unit=unit.label, error_type=type(exc).__qualname__, message=str(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
+        if span is not None:
+            self._ended(unit, span, failure.cause)
         log.error("save %s of step %d (%s) failed: %s", unit.label, unit.step, unit.kind.value, failure.cause)
         # The error reaches the caller through wait_all() whatever happens below. The receipt is
         # durable before the monitor hears of the failure, so no restarted monitor can commit the
@@ -180,6 +201,15 @@ class UnitRunner:
                     self._client.call("renew_slots", held)
                 except Exception as e:
                     log.warning("could not renew writer slots: %s", e)
+
+
+@dataclass
+class _Span:
+    """When a unit asked to be admitted, and when its save function started (for the timeline)."""
+
+    start: float
+    admitted: float | None = None
+    recorded: bool = False
 
 
 class _Refused(CheckpointError):

@@ -39,6 +39,7 @@ from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
 from ckptd.monitor.rebuild import rebuild
+from ckptd.monitor.recorder import Recorder
 from ckptd.monitor.retention import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
 from ckptd.monitor.status import build_status
@@ -113,6 +114,9 @@ class CheckpointMonitor(CommitFlow, Publication):
         self._failures_durable |= rebuilt.failures
         for step in rebuilt.settled:
             self._io.submit(self._cleanup, step)
+        self._recorder = Recorder(self._storage, run, attempt, self._opts.timeline_steps,
+                                  self._opts.timeline_flush_s, self._in_thread)
+        self._spawn(self._recorder.run())
         self._mirror: Mirror | None = None
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
@@ -121,7 +125,7 @@ class CheckpointMonitor(CommitFlow, Publication):
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,
-                                  self._retention.schedule)
+                                  self._retention.schedule, self._recorder.upload)
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail
@@ -235,6 +239,10 @@ class CheckpointMonitor(CommitFlow, Publication):
         results = []
         for event, unit, payload in events:
             self._notifications += 1
+            self._recorder.notification(payload)
+            if event == "timing":  # spans only (what a worker measured after its last notification)
+                results.append(None)
+                continue
             uid = UnitId.from_dict(unit)
             if event == "started":
                 why = await self._admit(uid)
@@ -315,6 +323,13 @@ class CheckpointMonitor(CommitFlow, Publication):
 
     async def status(self):
         return build_status(self)
+
+    async def timeline(self, flush: bool = False) -> dict:
+        """The run's timeline spans kept in memory (see :mod:`ckptd.monitor.events`), for
+        ``ckptd timeline``: ``{"run", "root", "spans": [...], "flushed": bool | None}``. With
+        ``flush``, the spans not persisted yet are written under the root first."""
+        flushed = await self._recorder.flush() if flush else None
+        return {"run": self._run, "root": self._storage.url, "spans": self._recorder.spans(), "flushed": flushed}
 
     async def wait_committed(self, step: int, kind: str = "checkpoint", timeout_s: float | None = None) -> dict:
         """Wait until (step, kind) is committed or failed.

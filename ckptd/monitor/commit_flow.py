@@ -105,13 +105,27 @@ class CommitFlow:
             await event.wait()
 
     async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
+        started = time.time()
         try:
             await self._commit_once(rec, kinds)
         finally:
             event = self._committing.pop(rec.step, None)
             if event is not None:
                 event.set()
+            self._record_commit(rec, kinds, started)
         await self._after_change(rec)  # deferred, failed, or a checkpoint that waited for this
+
+    def _record_commit(self, rec: StepRecord, kinds: list[Kind], started: float) -> None:
+        """The commit's span for the timeline: committed, deferred, or failed (with why)."""
+        try:
+            states = {kind: rec[kind].state for kind in kinds}
+            failed = [kind for kind, state in states.items() if state is StepState.FAILED]
+            error = (rec[failed[0]].reason or "failed") if failed else None
+            deferred = [k.value for k, state in states.items() if state is StepState.PENDING]
+            detail = f"deferred: {', '.join(deferred)}" if deferred else ""
+            self._recorder.commit(rec.step, [k.value for k in kinds], started, time.time(), error, detail)
+        except Exception:  # observability must never break the commit path
+            log.exception("could not record the commit of step %d for the timeline", rec.step)
 
     async def _commit_once(self, rec: StepRecord, kinds: list[Kind]) -> None:
         plan = self._plan(rec, kinds)

@@ -81,15 +81,19 @@ class Mirror:
             from local retention until the mirror's state is known.
         on_change: Called on the event loop when a step was mirrored (local retention may now
             delete it) or the start-up scan finished.
+        on_upload: Called on the event loop after each upload attempt with ``(step, start, end,
+            error, detail)`` (for the timeline); it must not raise.
     """
 
     def __init__(self, local: Storage, remote: Storage, opts: MirrorOptions, template: StepDirTemplate,
-                 local_committed: dict[int, frozenset[Kind]], on_change: Callable[[], None]) -> None:
+                 local_committed: dict[int, frozenset[Kind]], on_change: Callable[[], None],
+                 on_upload: Callable[[int, float, float, str | None, str], None] | None = None) -> None:
         self._local = local
         self.remote = remote
         self._opts = opts
         self._template = template
         self._on_change = on_change
+        self._on_upload = on_upload
         self._kinds = frozenset({Kind.CHECKPOINT, Kind.STATE_DICT} if opts.state_dicts else {Kind.CHECKPOINT})
         # Without state dicts on the mirror, every step there is a full checkpoint.
         keep_sd = opts.max_state_dict_to_keep if opts.state_dicts else opts.max_ckpt_to_keep
@@ -222,6 +226,7 @@ class Mirror:
         rec.attempts += 1
         self._current = step
         self._queue.discard(step)
+        started = time.time()
         try:
             name, manifests, files = await self._io(self._read_local, step)
             results = await asyncio.gather(
@@ -266,6 +271,10 @@ class Mirror:
             if step in self._again:
                 self._again.discard(step)
                 self.enqueue(step)
+            if self._on_upload is not None:
+                self._on_upload(step, started, rec.finished_at or time.time(),
+                                None if rec.state == MirrorState.MIRRORED else rec.error or rec.state.value,
+                                f"{rec.bytes} bytes, attempt {rec.attempts}")
 
     def _release_waiters(self, step: int) -> None:
         event = self._events.pop(step, None)

@@ -1,0 +1,283 @@
+"""The events ``ckptd timeline`` draws: spans of time, kept in a bounded buffer and persisted.
+
+A :class:`Span` is one thing that took time in a step: a save unit on a worker, the training
+thread blocked in a save call, the monitor's commit, or the upload of the step to the mirror.
+Spans come from where they happened (workers send theirs with their notifications, see
+:class:`ckptd.protocol.TimingOutbox`; the monitor adds its own), in wall-clock seconds.
+
+:class:`EventLog` keeps the spans of the newest ``max_steps`` steps in memory, dropping the
+oldest steps first, and remembers which spans are not persisted yet. :class:`EventStore` writes
+them under the root, per run, as immutable chunk files; no append, so it works on object stores
+as on POSIX::
+
+    root/.ckptd/events/{run}/{ms}-{nonce}-{seq}-c.json   a chunk: spans recorded since the last one
+    root/.ckptd/events/{run}/{ms}-{nonce}-{seq}-s.json   a snapshot: every span then in memory
+
+Names sort in the order they were written. A reader takes the newest snapshot and the chunks
+after it; what precedes the snapshot is superseded (the writer deletes it after writing the
+snapshot). Each file is ``{"format": 1, "run": ..., "spans": [...]}``, published atomically.
+
+Plain Python, no Ray: the monitor actor owns one :class:`EventLog` and one :class:`EventStore`
+through :class:`ckptd.monitor.recorder.Recorder`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from ckptd.layout import LEDGER_DIR
+from ckptd.storage import Storage
+
+log = logging.getLogger("ckptd.monitor")
+
+FORMAT = 1
+EVENTS_DIR = f"{LEDGER_DIR}/events"
+DEFAULT_MAX_STEPS = 1000
+DEFAULT_MAX_SPANS = 200_000
+
+UNIT, BLOCKED, COMMIT, MIRROR = "unit", "blocked", "commit", "mirror"
+LANES = (UNIT, BLOCKED, COMMIT, MIRROR)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One thing that took time in a step.
+
+    Attributes:
+        lane: ``"unit"`` (a save unit on a worker), ``"blocked"`` (the worker's training thread
+            inside a save call or the fence), ``"commit"`` (the monitor committing the step) or
+            ``"mirror"`` (the step's upload to the mirror).
+        step: The training step.
+        start, end: Wall-clock seconds (``time.time()`` where it happened).
+        worker: The coordinator's worker id (units and blocked time); None for the monitor.
+        name: The unit's name; for blocked time, the call (``save_async``, ``before_update
+            (fence)``...); for a commit, the kinds (``checkpoint+state_dict``).
+        kind: ``checkpoint`` or ``state_dict`` for units; None otherwise.
+        admitted: Units: when the save function started (after admission and any writer slot).
+        error: Why it failed; None when it succeeded.
+        detail: Free text for the tooltip (bytes uploaded, ...).
+        attempt: The monitor's attempt (job) that recorded it.
+    """
+
+    lane: str
+    step: int
+    start: float
+    end: float
+    worker: str | None = None
+    name: str = ""
+    kind: str | None = None
+    admitted: float | None = None
+    error: str | None = None
+    detail: str = ""
+    attempt: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, "")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Span:
+        if d.get("lane") not in LANES:
+            raise ValueError(f"unknown span lane {d.get('lane')!r}")
+        return cls(lane=d["lane"], step=int(d["step"]), start=float(d["start"]), end=float(d["end"]),
+                   worker=d.get("worker"), name=str(d.get("name", "")), kind=d.get("kind"),
+                   admitted=None if d.get("admitted") is None else float(d["admitted"]), error=d.get("error"),
+                   detail=str(d.get("detail", "")), attempt=int(d.get("attempt", 0)))
+
+
+def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
+    """The spans in a notification's timing payload (see :class:`ckptd.protocol.TimingOutbox`);
+    malformed entries are skipped with a warning (a worker's bad timing must never fail its save)."""
+    out: list[Span] = []
+    for entry in timing.get("units") or []:
+        try:
+            unit = entry["unit"]
+            out.append(Span(UNIT, int(unit["step"]), float(entry["start"]), float(entry["end"]),
+                            worker=str(unit["worker"]), name=str(unit["name"]), kind=str(unit["kind"]),
+                            admitted=None if entry.get("admitted") is None else float(entry["admitted"]),
+                            error=entry.get("error"), attempt=attempt))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("ignoring a malformed unit timing %r: %s", str(entry)[:200], e)
+    for entry in timing.get("blocked") or []:
+        try:
+            out.append(Span(BLOCKED, int(entry["step"]), float(entry["start"]), float(entry["end"]),
+                            worker=str(entry["worker"]), name=str(entry.get("what", "")), attempt=attempt))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("ignoring a malformed blocked timing %r: %s", str(entry)[:200], e)
+    return out
+
+
+class EventLog:
+    """The spans of the newest ``max_steps`` steps, in memory; thread-safe.
+
+    Args:
+        max_steps: Steps kept; when a span of a new step would exceed it, the oldest (lowest)
+            step goes, with all its spans. A span of a step older than every kept one, once the
+            log is full, is not kept.
+        max_spans: Spans kept in all; the oldest steps go first to stay under it (the newest step
+            is always kept whole).
+    """
+
+    def __init__(self, max_steps: int = DEFAULT_MAX_STEPS, max_spans: int = DEFAULT_MAX_SPANS) -> None:
+        if max_steps < 1 or max_spans < 1:
+            raise ValueError(f"max_steps and max_spans must be >= 1, got {max_steps} and {max_spans}")
+        self.max_steps = max_steps
+        self.max_spans = max_spans
+        self._lock = threading.Lock()
+        self._steps: dict[int, list[Span]] = {}
+        self._count = 0
+        self._unflushed: list[Span] = []
+        self.dropped_steps = 0
+
+    def add(self, spans: Iterable[Span], *, flushed: bool = False) -> None:
+        """Keep ``spans``; ``flushed`` marks them as already persisted (loaded back from storage)."""
+        with self._lock:
+            for span in spans:
+                if span.step not in self._steps:
+                    if len(self._steps) >= self.max_steps and span.step < min(self._steps):
+                        continue  # older than everything kept in a full log
+                    self._steps[span.step] = []
+                self._steps[span.step].append(span)
+                self._count += 1
+                if not flushed:
+                    self._unflushed.append(span)
+            self._trim()
+
+    def _trim(self) -> None:
+        dropped = set()
+        while len(self._steps) > self.max_steps or (self._count > self.max_spans and len(self._steps) > 1):
+            oldest = min(self._steps)
+            self._count -= len(self._steps.pop(oldest))
+            dropped.add(oldest)
+        if dropped:
+            self.dropped_steps += len(dropped)
+            self._unflushed = [s for s in self._unflushed if s.step not in dropped]
+
+    def spans(self) -> list[Span]:
+        """Every span kept, by step, then start time."""
+        with self._lock:
+            return sorted((s for spans in self._steps.values() for s in spans), key=lambda s: (s.step, s.start))
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._steps)
+
+    def take_unflushed(self) -> list[Span]:
+        """The spans not persisted yet; they count as persisted from now (see :meth:`give_back`)."""
+        with self._lock:
+            out, self._unflushed = self._unflushed, []
+        return out
+
+    def give_back(self, spans: list[Span]) -> None:
+        """Spans whose write failed: to be written with the next batch (unless their step was dropped)."""
+        with self._lock:
+            self._unflushed = [s for s in spans if s.step in self._steps] + self._unflushed
+
+
+@dataclass
+class EventStore:
+    """The persisted spans of one run under a root (see the module docstring for the layout).
+
+    Args:
+        storage: The root.
+        run: The run's name (a safe file name: :func:`ckptd.units.check_name`).
+        max_chunks: Past this many chunk files, :meth:`write` writes a snapshot instead and
+            deletes what it supersedes.
+    """
+
+    storage: Storage
+    run: str
+    max_chunks: int = 32
+    _nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    _seq: int = 0
+    _chunks: int | None = None  # chunk files since the newest snapshot, once known
+
+    @property
+    def directory(self) -> str:
+        return self.storage.join(EVENTS_DIR, self.run)
+
+    def _name(self, snapshot: bool) -> str:
+        self._seq += 1
+        return f"{int(time.time() * 1000):013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
+
+    def _publish(self, spans: list[Span], snapshot: bool) -> str:
+        body = {"format": FORMAT, "run": self.run, "snapshot": snapshot, "spans": [s.to_dict() for s in spans]}
+        name = self._name(snapshot)
+        # Not fsynced: losing the newest chunk to a power cut loses a few seconds of the picture.
+        self.storage.write_atomic(f"{self.directory}/{name}", json.dumps(body).encode(), durable=False)
+        return name
+
+    def write(self, new: list[Span], everything: list[Span]) -> None:
+        """Persist ``new`` as a chunk, or, once there are ``max_chunks`` chunks, ``everything``
+        (what the log holds) as a snapshot, then delete the files it supersedes.
+
+        Raises:
+            OSError (or the backend's error): the write failed; nothing was deleted.
+        """
+        if self._chunks is None:
+            self._chunks = sum(n.endswith("-c.json") for n in _current_files(self.storage.listdir(self.directory)))
+        if self._chunks < self.max_chunks:
+            self._publish(new, snapshot=False)
+            self._chunks += 1
+            return
+        name = self._publish(everything, snapshot=True)
+        self._chunks = 0
+        for old in self.storage.listdir(self.directory):
+            if old.endswith(".json") and old < name:
+                try:
+                    self.storage.rm(f"{self.directory}/{old}")
+                except OSError as e:  # a leftover is superseded anyway; the next snapshot retries
+                    log.warning("could not remove superseded timeline file %s: %s", old, e)
+
+
+def _current_files(names: list[str]) -> list[str]:
+    """The files a reader takes: the newest snapshot and the chunks after it, in order."""
+    names = sorted(n for n in names if n.endswith(("-c.json", "-s.json")))
+    snapshots = [i for i, n in enumerate(names) if n.endswith("-s.json")]
+    return names[snapshots[-1]:] if snapshots else names
+
+
+def runs_with_events(storage: Storage) -> list[str]:
+    """The runs that have persisted timeline events under the root."""
+    return sorted(storage.listdir(storage.join(EVENTS_DIR)))
+
+
+def read_events(storage: Storage, run: str) -> list[Span]:
+    """The persisted spans of ``run`` under the root, by step then start time.
+
+    A file removed while this reads (a snapshot superseded it) makes it list again; an
+    unreadable file is skipped with a warning.
+    """
+    directory = storage.join(EVENTS_DIR, run)
+    for _ in range(5):
+        names = _current_files(storage.listdir(directory))
+        spans: list[Span] = []
+        vanished = False
+        for name in names:
+            text = storage.read_text_or_none(f"{directory}/{name}")
+            if text is None:
+                vanished = True
+                break
+            try:
+                body = json.loads(text)
+                if body.get("format") != FORMAT:
+                    raise ValueError(f"format {body.get('format')!r}, this ckptd reads {FORMAT}")
+                spans += [Span.from_dict(d) for d in body["spans"]]
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("skipping unreadable timeline file %s: %s", name, e)
+        if not vanished:
+            return sorted(spans, key=lambda s: (s.step, s.start))
+    raise OSError(f"the timeline files under {directory} kept changing while being read; try again")

@@ -66,13 +66,13 @@ def _live(args: argparse.Namespace) -> tuple[str, list]:
 
     import ray
 
-    from ckptd.cli import _namespace_of
+    from ckptd.cli.status import namespace_of
     from ckptd.monitor import get_monitor
     from ckptd.timeline import spans_of_run
 
     ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
              configure_logging=False)
     try:
-        return spans_of_run(get_monitor(args.source, _namespace_of(args.source, args.namespace)))
+        return spans_of_run(get_monitor(args.source, namespace_of(args.source, args.namespace)))
     finally:
         ray.shutdown()

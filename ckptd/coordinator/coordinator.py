@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild
 from ckptd.coordinator.unit_runner import UnitRunner
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.manifest import WrittenFile
+from ckptd.metrics import FENCE_WAIT, SAVE_BLOCKED
 from ckptd.protocol import UnitId
 from ckptd.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
@@ -157,6 +159,11 @@ class CheckpointCoordinator:
         Raises:
             CheckpointConfigError: bad name, step or save_fn; nothing was started.
         """
+        t0 = time.perf_counter()
+        self._save_async(name, save_fn, global_step, is_state_dict)
+        self._client.metrics.observe(SAVE_BLOCKED, time.perf_counter() - t0, kind=Kind.from_flag(is_state_dict))
+
+    def _save_async(self, name: str, save_fn: Callable[[], None], global_step: int, is_state_dict: bool) -> None:
         unit = self._unit(name, global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
@@ -207,6 +214,12 @@ class CheckpointCoordinator:
         NOTE: with ``fenced=True``, a call to :meth:`before_update` must come before the state
         changes, or the checkpoint mixes two steps; nothing can detect a missing fence.
         """
+        t0 = time.perf_counter()
+        self._save_state_async(name, state, global_step, write_fn, is_state_dict, fenced)
+        self._client.metrics.observe(SAVE_BLOCKED, time.perf_counter() - t0, kind=Kind.from_flag(is_state_dict))
+
+    def _save_state_async(self, name: str, state: Any, global_step: int, write_fn: Callable[[Any], Any] | None,
+                          is_state_dict: bool, fenced: bool) -> None:
         unit = self._unit(name, global_step, is_state_dict)
         leaves = tensors_of(state)
         if not leaves:
@@ -250,7 +263,7 @@ class CheckpointCoordinator:
                 stager.release(buf)
 
         try:
-            self.save_async(name, save_fn, global_step, is_state_dict)
+            self._save_async(name, save_fn, global_step, is_state_dict)
         except BaseException:
             job.join()  # the staging thread may still be writing into the buffers
             stager.release(buf)
@@ -263,7 +276,9 @@ class CheckpointCoordinator:
         """
         staging = self._staging
         if staging is not None:
-            staging.fence()
+            t0 = time.perf_counter()
+            if staging.fence():
+                self._client.metrics.observe(FENCE_WAIT, time.perf_counter() - t0)
 
     def staged_bytes(self) -> int:
         """Host memory held by staging buffers, all names together."""
@@ -285,7 +300,11 @@ class CheckpointCoordinator:
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
-        err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
+        t0 = time.perf_counter()
+        try:
+            err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
+        finally:
+            self._client.metrics.observe(SAVE_BLOCKED, time.perf_counter() - t0, kind=unit.kind)
         if err is not None:
             raise err from err.__cause__
 

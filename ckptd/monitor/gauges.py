@@ -1,7 +1,8 @@
 """The monitor's gauges, computed from its status. :func:`gauge_values` is plain Python; the
 actor's housekeeping calls :meth:`Gauges.refresh` once per round, which records them through
-:mod:`ckptd.metrics`. Ray keeps exporting a gauge's last value, so each is set every round (a
-step that leaves flight must bring its gauge back to 0, not leave it where it was)."""
+:mod:`ckptd.metrics`. Every gauge is set every round, 0 included: Ray (2.60) exports a gauge
+only if it was set since the last export, and its metrics agent drops a series that was not
+refreshed within two report intervals (at least 2 s), so a gauge set once would vanish."""
 
 from __future__ import annotations
 

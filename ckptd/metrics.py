@@ -144,7 +144,8 @@ METRICS: tuple[MetricSpec, ...] = (
 
 _lock = threading.Lock()
 _instruments: dict[str, Any] = {}  # one Ray metric object per name and process
-_broken: set[str] = set()  # names whose creation or recording failed (logged once)
+_broken: set[str] = set()  # names Ray could not create: off in this process
+_logged: set[str] = set()  # names whose recording failed once (logged; later failures are not)
 
 
 def enabled() -> bool:
@@ -201,8 +202,8 @@ def _record(spec: MetricSpec, value: float, labels: dict[str, str]) -> None:
         else:
             inst.observe(float(value), tags=labels)
     except Exception as e:  # observability must never break the save or commit path
-        if spec.name not in _broken:
-            _broken.add(spec.name)
+        if spec.name not in _logged:
+            _logged.add(spec.name)
             log.warning("could not record metric %s (%s: %s); further errors of it are not logged",
                         spec.name, type(e).__name__, e)
 

@@ -61,7 +61,8 @@ _RUN_KIND = ("run", "kind")
 # so a histogram's _sum is an estimate whose error is set by the bucket widths (and a value past
 # the last boundary counts as twice it). Hence fairly fine buckets, and exact counters beside the
 # histograms whose totals matter (bytes).
-_FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_FAST_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+           30.0, 60.0, 120.0)
 _SLOW_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 _BYTES = tuple(float(2**e) for e in range(10, 38, 2))  # 1 KiB .. 128 GiB, by factors of 4
 

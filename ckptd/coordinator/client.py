@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ckptd.coordinator.notifier import Notifier
+from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import actor_name
 
 log = logging.getLogger("ckptd.coordinator")
@@ -36,10 +37,13 @@ class MonitorClient:
         self._namespace: str | None = None
         self._lock = threading.Lock()
         self._notifier: Notifier | None = None
+        self.metrics = RunMetrics(None)
 
     def bind(self, run: str, namespace: str | None) -> None:
-        """The run (and namespace) to re-attach to when the handle stops working."""
+        """The run (and namespace) to re-attach to when the handle stops working; retries are
+        counted in that run's metrics from now on."""
         self._run, self._namespace = run, namespace
+        self.metrics = RunMetrics(run)
 
     def call(self, method: str, *args: Any) -> Any:
         deadline = time.monotonic() + self._timeout_s
@@ -50,6 +54,7 @@ class MonitorClient:
             except RayActorError:
                 if time.monotonic() > deadline:
                     raise
+                self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 self._reattach()
@@ -63,6 +68,7 @@ class MonitorClient:
             except RayActorError:
                 if time.monotonic() > deadline:
                     raise
+                self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 self._reattach()

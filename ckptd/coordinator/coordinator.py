@@ -26,6 +26,7 @@ from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild
 from ckptd.coordinator.unit_runner import UnitRunner
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.manifest import WrittenFile
+from ckptd.metrics import FENCE_WAIT, SAVE_BLOCKED
 from ckptd.protocol import UnitId
 from ckptd.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
@@ -182,7 +183,7 @@ class CheckpointCoordinator:
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
         self._queue(unit, save_fn)
-        self._blocked(unit.step, started, "save_async")
+        self._blocked(unit, started, "save_async")
 
     def _queue(self, unit: UnitId, save_fn: Callable[[], Any]) -> None:
         with self._lock:
@@ -194,9 +195,12 @@ class CheckpointCoordinator:
         lane.queue.put(Job(unit, save_fn))  # blocks while max_pending units are queued
         self._saw(unit)
 
-    def _blocked(self, step: int, started: float, what: str) -> None:
-        """The training thread was held up from ``started`` until now (for ``ckptd timeline``)."""
-        self._outbox.blocked(self._worker, step, started, time.time(), what)
+    def _blocked(self, unit: UnitId, started: float, what: str) -> None:
+        """The training thread was held up by a save call from ``started`` until now: for
+        ``ckptd timeline`` and the ``ckptd_save_blocked_seconds`` histogram."""
+        now = time.time()
+        self._outbox.blocked(self._worker, unit.step, started, now, what)
+        self._client.metrics.observe(SAVE_BLOCKED, now - started, kind=unit.kind)
 
     def save_state_async(
         self,
@@ -288,7 +292,7 @@ class CheckpointCoordinator:
             raise
         if fenced:
             self._fence_step = unit.step
-        self._blocked(unit.step, called_at, "save_state_async (fenced)" if fenced else "save_state_async")
+        self._blocked(unit, called_at, "save_state_async (fenced)" if fenced else "save_state_async")
 
     def before_update(self) -> None:
         """Wait until every fenced staging copy has finished; call it before the optimizer step.
@@ -298,10 +302,13 @@ class CheckpointCoordinator:
         staging = self._staging
         if staging is not None:
             started = time.time()
-            staging.fence()
+            fenced = staging.fence()
+            now = time.time()
+            if fenced:
+                self._client.metrics.observe(FENCE_WAIT, now - started)
             step, self._fence_step = self._fence_step, None
             if step is not None:
-                self._blocked(step, started, "before_update (fence)")
+                self._outbox.blocked(self._worker, step, started, now, "before_update (fence)")
 
     def staged_bytes(self) -> int:
         """Host memory held by staging buffers, all names together."""
@@ -328,7 +335,7 @@ class CheckpointCoordinator:
         try:
             err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
         finally:
-            self._blocked(unit.step, started, "save_sync")
+            self._blocked(unit, started, "save_sync")
         if err is not None:
             raise err from err.__cause__
 

@@ -163,19 +163,24 @@ class StagingThread:
         self._cond = threading.Condition()
         self._queue: list[StagedCopy] = []
         self._running: StagedCopy | None = None
+        self._since_fence = 0  # copies submitted since the last fence
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: StagedCopy) -> None:
         with self._cond:
             self._queue.append(job)
+            self._since_fence += 1
             self._cond.notify_all()
 
-    def fence(self) -> None:
-        """Wait until every submitted copy has finished."""
+    def fence(self) -> bool:
+        """Wait until every submitted copy has finished; True if any was submitted since the
+        last fence (whether or not it had finished already)."""
         with self._cond:
             while self._queue or self._running is not None:
                 self._cond.wait()
+            fenced, self._since_fence = self._since_fence > 0, 0
+        return fenced
 
     def _loop(self) -> None:
         lower_priority()

@@ -19,6 +19,7 @@ from ckptd.coordinator.lanes import Job
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from ckptd.layout import find_step_dir
 from ckptd.manifest import FileEntry
+from ckptd.metrics import UNIT_BYTES, UNIT_DURATION, WRITTEN_BYTES
 from ckptd.protocol import UnitFailure, UnitId
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -63,6 +64,7 @@ class UnitRunner:
         unit = job.unit
         slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
         span = _Span(time.time())
+        t0 = time.perf_counter()
         try:
             self._start(unit, slot)
         except _Refused as e:
@@ -98,6 +100,11 @@ class UnitRunner:
             log.error("save %s of step %d (%s) does not count: %s", unit.label, unit.step, unit.kind.value,
                       answer["refused"])
             return CheckpointSaveError(unit.step, unit.kind.value, unit.label, answer["refused"])
+        metrics = self._client.metrics
+        metrics.observe(UNIT_DURATION, time.perf_counter() - t0, kind=unit.kind)
+        written = sum(f.size for f in files)
+        metrics.observe(UNIT_BYTES, written, kind=unit.kind)
+        metrics.inc(WRITTEN_BYTES, written, kind=unit.kind)
         return None
 
     def _start(self, unit: UnitId, slot: str) -> None:

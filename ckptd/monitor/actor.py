@@ -25,6 +25,7 @@ from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.layout import read_tracker
 from ckptd.manifest import FileEntry
+from ckptd.metrics import FAILED_UNITS, RunMetrics
 from ckptd.monitor.attempts import (
     FencedError,
     check_fence,
@@ -34,6 +35,7 @@ from ckptd.monitor.attempts import (
 )
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
+from ckptd.monitor.gauges import Gauges
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
@@ -73,6 +75,8 @@ class CheckpointMonitor(CommitFlow, Publication):
         self._run = run
         self._namespace = namespace
         self._attempt = attempt
+        self._metrics = RunMetrics(run)
+        self._gauges = Gauges(self._metrics)
         self._storage = Storage(root, storage_options)
         self._template = StepDirTemplate(self._opts.step_dir_template)
         self._committer = Committer(self._storage, self._template, attempt)
@@ -121,11 +125,11 @@ class CheckpointMonitor(CommitFlow, Publication):
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),
-                                          self._readers)
+                                          self._readers, self._metrics)
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,
-                                  self._retention.schedule, self._recorder.upload)
+                                  self._retention.schedule, self._recorder.upload, self._metrics)
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail
@@ -305,6 +309,9 @@ class CheckpointMonitor(CommitFlow, Publication):
     async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
         self._slots.release(_slot_key(uid))
         rec = self._ledger.fail(uid, failure, time.time())
+        unit = rec.units.get(uid.key)
+        if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
+            self._metrics.inc(FAILED_UNITS, kind=uid.kind)
         await self._after_change(rec)
 
     async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
@@ -406,6 +413,7 @@ class CheckpointMonitor(CommitFlow, Publication):
                 self._warn()
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")
+            self._gauges.refresh(partial(build_status, self))
 
     def _warn(self) -> None:
         warnings = self._ledger.warnings(time.time())

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptd import failpoints, protocol
 from ckptd.config import Kind
+from ckptd.metrics import COMMIT_LATENCY, FAILED_COMMITS, FAILED_STEPS, RETRIED_REQUESTS
 from ckptd.monitor.attempts import FencedError
 from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
 from ckptd.monitor.ledger import SD, StepRecord, StepState
@@ -80,6 +81,7 @@ class CommitFlow:
             # restart; a timeout or commit failure would be found again by the restarted monitor.
             log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
         self._failures_durable.add(key)
+        self._metrics.inc(FAILED_STEPS, kind=kind)
         written.set()
         self._failure_writes.pop(key, None)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
@@ -130,7 +132,7 @@ class CommitFlow:
     async def _commit_once(self, rec: StepRecord, kinds: list[Kind]) -> None:
         plan = self._plan(rec, kinds)
         try:
-            manifests = await self._retrying(self._committer.commit, plan)
+            manifests = await self._retrying("commit", self._committer.commit, plan)
         except Deferred:
             log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
             self._ledger.defer(rec, SD)
@@ -142,6 +144,7 @@ class CommitFlow:
             reason = f"commit failed{tries}: {type(e).__name__}: {e}"
             for kind in kinds:
                 self._ledger.fail_kind(rec, kind, reason, force=True)
+                self._metrics.inc(FAILED_COMMITS, kind=kind)
             if isinstance(e, CommitCheckError) and e.committed_changed and self._ledger.is_committed(rec.step, SD):
                 await self._revoke_state_dict(rec, reason)
             return
@@ -161,6 +164,8 @@ class CommitFlow:
         for kind in kinds:
             self._ledger.commit_done(rec, kind, now, plan.units[kind], manifests[kind].files)
             self._wake(rec.step, kind)
+            if rec[kind].ready_at is not None:
+                self._metrics.observe(COMMIT_LATENCY, now - rec[kind].ready_at, kind=kind)
         if Kind.CHECKPOINT in kinds:
             self._wake(rec.step, SD)
         if self._mirror is not None and (any(self._mirror.mirrors(k) for k in kinds)
@@ -174,7 +179,8 @@ class CommitFlow:
         self._ledger.prune(self._opts.status_history)
         self._retention.schedule()
 
-    async def _retrying(self, fn, *args) -> Any:
+    async def _retrying(self, request: str, fn, *args) -> Any:
+        """``fn(*args)`` in the I/O pool, retried with backoff; ``request`` labels the retries."""
         for attempt in range(self._opts.commit_retries + 1):
             try:
                 return await self._in_thread(fn, *args)
@@ -184,6 +190,7 @@ class CommitFlow:
                 if attempt == self._opts.commit_retries:
                     raise
                 log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
+                self._metrics.inc(RETRIED_REQUESTS, request=request)
                 await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
 
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
@@ -194,7 +201,7 @@ class CommitFlow:
                 current = self._trackers[k]
                 if current is not None and step <= current:
                     continue
-                await self._retrying(self._committer.advance_tracker, k, step)
+                await self._retrying("tracker", self._committer.advance_tracker, k, step)
                 self._trackers[k] = step
                 self._published(k, step)
 

@@ -35,6 +35,7 @@ from ckptd.config import Kind, MirrorOptions
 from ckptd.errors import CheckpointError
 from ckptd.layout import MANIFESTS, TRACKERS, StepEntry, is_committed, manifests_of, newest_committed, scan_steps
 from ckptd.manifest import FileEntry, crc32_file
+from ckptd.metrics import RETENTION_DELETIONS, RETRIED_REQUESTS, RunMetrics
 from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
 from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
 from ckptd.storage import Storage
@@ -83,11 +84,14 @@ class Mirror:
             delete it) or the start-up scan finished.
         on_upload: Called on the event loop after each upload attempt with ``(step, start, end,
             error, detail)`` (for the timeline); it must not raise.
+        metrics: Where retried requests and retention deletions are counted.
     """
 
     def __init__(self, local: Storage, remote: Storage, opts: MirrorOptions, template: StepDirTemplate,
                  local_committed: dict[int, frozenset[Kind]], on_change: Callable[[], None],
-                 on_upload: Callable[[int, float, float, str | None, str], None] | None = None) -> None:
+                 on_upload: Callable[[int, float, float, str | None, str], None] | None = None,
+                 metrics: RunMetrics | None = None) -> None:
+        self._metrics = metrics or RunMetrics(None)
         self._local = local
         self.remote = remote
         self._opts = opts
@@ -195,6 +199,7 @@ class Mirror:
             except Exception as e:  # the mirror is unreachable: keep the local steps, try again
                 self._start_error = f"{type(e).__name__}: {e}"
                 log.warning("cannot read the mirror %s (%s); retrying", self.remote.url, self._start_error)
+                self._metrics.inc(RETRIED_REQUESTS, request="mirror")
                 await asyncio.sleep(min(delay, _MAX_BACKOFF_S))
                 delay *= 2
         self._start_error = None
@@ -375,6 +380,7 @@ class Mirror:
                 delay = min(self._opts.retry_backoff_s * 2**attempt, _MAX_BACKOFF_S)
                 with self._lock:
                     self._retried += 1
+                self._metrics.inc(RETRIED_REQUESTS, request="mirror")
                 log.warning("%s failed (%s: %s); retry %d of %d in %.2f s", what, type(e).__name__, e,
                             attempt + 1, self._opts.retries, delay)
                 time.sleep(delay)  # backoff between requests, in the mirror's own thread
@@ -386,6 +392,7 @@ class Mirror:
         try:
             result = await self._io(self._retention_pass, protected)
             self._deleted = (self._deleted + result.deleted)[-1000:]
+            self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="mirror")
             self._retention_errors = result.errors
         except Exception as e:  # best-effort: the next mirrored step runs another pass
             log.warning("retention on the mirror failed: %s: %s", type(e).__name__, e)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
 from ckptd.layout import MANIFESTS, StepEntry, scan_steps
+from ckptd.metrics import RETENTION_DELETIONS, RunMetrics
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.retention")
@@ -188,10 +189,12 @@ class RetentionRunner:
         protected: Returns the steps never to delete now.
         cleanup: Removes the ledger records of a deleted step.
         mark_deleted: Records that a step with a failed kind was deleted, with its committed kinds.
+        metrics: Where deletions are counted.
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
-                 protected, cleanup, mark_deleted, readers=None) -> None:
+                 protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None) -> None:
+        self._metrics = metrics or RunMetrics(None)
         self._storage = storage
         self._template = template
         self._policy = RetentionPolicy.of(opts)
@@ -229,6 +232,7 @@ class RetentionRunner:
                 try:
                     result = await self._in_thread(self._pass, protected, failed)
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
+                    self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="root")
                     self.errors = result.errors
                 except Exception as e:  # best-effort: the next commit runs another pass
                     log.warning("retention pass failed: %s: %s", type(e).__name__, e)

@@ -59,7 +59,8 @@ def run_demo(root: str, steps: int = 20, ckpt_every: int = 5, workers: int = 2, 
             ray.init(address=address, log_to_driver=False)
     run = f"demo-{os.getpid()}"
     nodes = [n for n in ray.nodes() if n["Alive"]]
-    print(f"Ray cluster: {len(nodes)} node(s); checkpoint root {root}" + (f", mirror {mirror}" if mirror else ""))
+    print(f"Ray cluster: {len(nodes)} node(s); run {run}, checkpoint root {root}"
+          + (f", mirror {mirror}" if mirror else ""))
     monitor = ckptd.start_monitor(root, run=run, max_ckpt_to_keep=keep, max_state_dict_to_keep=keep,
                                   **({"mirror": mirror} if mirror else {}))
     root = ray.get(monitor.worker_config.remote())["root"]
@@ -137,6 +138,7 @@ def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, referen
     step_dir = ckptd.step_dir(root, latest)
     fresh = FSDPJob(world, actors=job.actors, spread=spread)
     if "://" in root:  # DCP's FileSystemReader (under HuggingFaceStorageReader) opens local paths only
+        fresh.call("resume", root, latest, True)  # the weights alone, for the HF comparison below
         print(f"dcp.load (HuggingFaceStorageReader) on {world} ranks: skipped, it reads local paths only")
     else:
         fresh.call("load_with_dcp", f"{step_dir}/{MODEL_DIR}")

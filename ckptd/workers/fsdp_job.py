@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 import ray
+import ray.util.scheduling_strategies
 import torch
 
 import ckptd
@@ -293,14 +294,20 @@ Trainer = ray.remote(num_cpus=0)(FSDPTrainer)
 class FSDPJob:
     """The driver's handle on N :class:`FSDPTrainer` actors forming one process group.
 
-    With ``spread``, new ranks are spread over the cluster's nodes (Ray's ``SPREAD`` strategy,
-    best effort) and rendezvous at rank 0's node IP instead of 127.0.0.1.
+    With ``spread``, new ranks are placed round-robin over the cluster's live nodes, the
+    driver's first (rank ``r`` on node ``r % nodes``; Ray's ``SPREAD`` strategy is best effort and
+    may put zero-CPU actors together), and rendezvous at rank 0's node IP instead of 127.0.0.1.
     """
 
     def __init__(self, world_size: int, *, actors: list | None = None, spread: bool = False, **setup: Any) -> None:
         self.actors = list(actors or [])[:world_size]
-        trainer = Trainer.options(scheduling_strategy="SPREAD") if spread else Trainer
-        self.actors += [trainer.remote() for _ in range(world_size - len(self.actors))]
+        nodes = _nodes_driver_first() if spread else []
+        for rank in range(len(self.actors), world_size):
+            placement = {}
+            if nodes:
+                placement["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    nodes[rank % len(nodes)], soft=False)
+            self.actors.append(Trainer.options(**placement).remote())
         self.world_size = world_size
         if spread:
             setup["master_addr"], port = ray.get(self.actors[0].node_address.remote())
@@ -319,3 +326,10 @@ class FSDPJob:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 pass  # a rank that died: nothing to leave
+
+
+def _nodes_driver_first() -> list[str]:
+    """The ids of the cluster's live nodes: the caller's node, then the others by id."""
+    here = ray.get_runtime_context().get_node_id()
+    others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    return [here, *others]

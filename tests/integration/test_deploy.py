@@ -16,11 +16,13 @@ shared-root check refuses the run and says why.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,17 +222,24 @@ def test_kuberay_manifests_match_the_crds(manifest, crd, kind):
 # -- the two-node recipe ----------------------------------------------------------------------
 
 
-def run_two_nodes(mode: str, work: Path, *demo: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+def run_two_nodes(mode: str, work: Path, *demo: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **(env or {})}
     env.update(PYTHON=sys.executable, CKPTD_TWO_NODES_DIR=str(work),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([str(DEPLOY / "local" / "two_nodes.sh"), mode, *demo], capture_output=True, text=True,
-                          timeout=560, env=env)
+    proc = subprocess.Popen([str(DEPLOY / "local" / "two_nodes.sh"), mode, *demo], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the script's trap stops both nodes (SIGKILL would leave them running)
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"two_nodes.sh {mode} did not finish within 480 s\n{stdout}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def processes_under(work: Path) -> list[str]:
-    """Command lines of live processes that mention ``work`` (the nodes' temp directories)."""
-    found = []
+def processes_under(work: Path) -> dict[int, str]:
+    """The live processes whose command lines mention ``work`` (the nodes' temp directories)."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -238,7 +247,7 @@ def processes_under(work: Path) -> list[str]:
         except OSError:
             continue
         if str(work) in cmd and state != "Z":
-            found.append(f"{pid}: {cmd[:200]}")
+            found[int(pid)] = cmd[:200]
     return found
 
 
@@ -247,6 +256,9 @@ def work():
     # Short: Ray's Unix sockets live under the nodes' temp directories (108 bytes at most).
     path = Path(tempfile.mkdtemp(prefix="ckptd-2n.", dir="/tmp"))
     yield path
+    for pid in processes_under(path):  # only if the script failed to stop its nodes (the tests say so)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -255,8 +267,14 @@ def output(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_two_nodes_with_a_shared_root_train_on_both_nodes_and_commit(work):
-    proc = run_two_nodes("shared", work, "--steps", "3", "--ckpt-every", "3")
+def test_two_nodes_with_a_shared_root_train_on_both_nodes_and_commit(work, s3_server):
+    # The mirror on S3, with the credentials in the standard AWS variables only, as a pod gets
+    # them from the Secret: every node's processes (the monitor uploads) must find them there.
+    mirror = f"s3://{s3_server.new_bucket()}/two-nodes"
+    options = s3_server.options()
+    aws = {"AWS_ENDPOINT_URL": options["endpoint_url"], "AWS_ACCESS_KEY_ID": options["key"],
+           "AWS_SECRET_ACCESS_KEY": options["secret"], "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = run_two_nodes("shared", work, "--steps", "3", "--ckpt-every", "3", "--mirror", mirror, env=aws)
     assert proc.returncode == 0, output(proc)
     out = proc.stdout
     assert "Ray cluster: 2 node(s)" in out, output(proc)
@@ -267,14 +285,15 @@ def test_two_nodes_with_a_shared_root_train_on_both_nodes_and_commit(work):
     assert {n for _, n in first[2:]} == {first[0][1], first[1][1]}, out
     assert "model and AdamW state equal the 2 ranks': yes; next losses match: yes" in out, out
     assert "weights equal: yes" in out and "from_pretrained outputs equal the FSDP2 model's: yes" in out, out
-    root, mirror = work / "mnt" / "ckpt", work / "mnt" / "mirror"
+    root = work / "mnt" / "ckpt"
     assert f"mirrored:                   step 3 -> {mirror}: yes" in out, out
     # Both nodes wrote under the one root: each rank's shard is in the committed step.
     assert ckptd.verify(str(root), 3).step == 3
     assert sorted(p.name for p in (root / "global_step_3" / "model").glob("shard-*")) == [
         "shard-00000.safetensors", "shard-00001.safetensors"]
-    assert ckptd.latest_step(str(mirror)) == 3
-    assert processes_under(work) == []  # the script stopped both nodes
+    assert ckptd.latest_step(mirror, storage_options=options) == 3
+    assert options["secret"] not in proc.stdout + proc.stderr
+    assert processes_under(work) == {}  # the script stopped both nodes
 
 
 @pytest.mark.timeout(600)
@@ -293,4 +312,4 @@ def test_two_nodes_with_node_local_roots_are_refused_by_the_shared_root_check(wo
     assert "Traceback" not in proc.stderr, output(proc)
     # Nothing was committed on either node's disk.
     assert not list(root.glob("global_step_*")) and not list((work / "worker-disk").glob("**/global_step_*"))
-    assert processes_under(work) == []
+    assert processes_under(work) == {}

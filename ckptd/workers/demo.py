@@ -11,6 +11,10 @@ At the end the job is resumed on three ranks from the newest checkpoint, re-shar
 hold exactly what the two ranks held and train on with the same losses; DCP's own
 ``HuggingFaceStorageReader`` loads the same files; and a Ray task exports the checkpoint to
 HuggingFace format, which ``transformers`` loads with the same outputs.
+
+With ``address`` the demo joins an existing cluster instead of starting Ray, places its ranks
+round-robin over the nodes and prints where each ran (``deploy/local/two_nodes.sh`` runs it on
+two nodes); ``mirror`` adds the mirror tier.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ setsid "$PYTHON" -m ray.scripts.scripts start --head "${common[@]}" --temp-dir "
 pids+=($!)
 disown  # no job notices; cleanup() waits for the process groups itself
 
-for _ in $(seq 300); do  # the head node is up once it has written its address
+for _ in $(seq 600); do  # the head node is up once it has written its address (120 s at most)
   [ -s "$work/h/ray_current_cluster" ] && break
   kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/head.log" >&2; echo "two_nodes.sh: the head node did not start" >&2; exit 1; }
   sleep 0.2

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--ckpt-every", type=_positive, default=5)
     demo.add_argument("--workers", type=_positive, default=2, help="ranks (the global batch of 12 must divide)")
     demo.add_argument("--resume-on", type=_positive, default=3, help="ranks to resume the last checkpoint on")
+    demo.add_argument("--address", default=None,
+                      help="run on this Ray cluster (auto or host:port) instead of a local one; ranks spread over "
+                           "its nodes, and the root must be storage every node sees")
+    demo.add_argument("--mirror", default=None, help="also upload committed steps to this URL (the mirror tier)")
     demo.add_argument("--rl", action="store_true",
                       help="the RL demo: a trainer publishes weights every step, 2 rollout actors follow them")
     status.add_parser(sub)
@@ -84,8 +88,16 @@ def main(argv: list[str] | None = None) -> int:
 
             served = run_rl_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, ranks=args.workers)
             return 0 if served == args.steps else 1
-        latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers,
-                               resume_on=args.resume_on)
+        from ray.exceptions import RayTaskError
+
+        from ckptd.errors import CheckpointError
+
+        try:
+            latest_step = run_demo(root, steps=args.steps, ckpt_every=args.ckpt_every, workers=args.workers,
+                                   resume_on=args.resume_on, address=args.address, mirror=args.mirror)
+        except CheckpointError as e:
+            print(f"FAILED: {e.cause if isinstance(e, RayTaskError) else e}", file=sys.stderr)  # a rank's: its own
+            return 1
         return 0 if latest_step is not None or args.steps < args.ckpt_every else 1
     if args.command == "verify":
         return _verify(args)

@@ -11,12 +11,17 @@ At the end the job is resumed on three ranks from the newest checkpoint, re-shar
 hold exactly what the two ranks held and train on with the same losses; DCP's own
 ``HuggingFaceStorageReader`` loads the same files; and a Ray task exports the checkpoint to
 HuggingFace format, which ``transformers`` loads with the same outputs.
+
+With ``address`` the demo joins an existing cluster instead of starting Ray, places its ranks
+round-robin over the nodes and prints where each ran (``deploy/local/two_nodes.sh`` runs it on
+two nodes); ``mirror`` adds the mirror tier.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 
 import ray
@@ -37,15 +42,35 @@ def _commit_step(job: FSDPJob, full: bool) -> int:
 
 
 def run_demo(root: str, steps: int = 20, ckpt_every: int = 5, workers: int = 2, keep: int = 2,
-             resume_on: int = 3) -> int | None:
-    """Run the demo job; return the latest committed full checkpoint step."""
+             resume_on: int = 3, address: str | None = None, mirror: str | None = None) -> int | None:
+    """Run the demo job; return the latest committed full checkpoint step.
+
+    Args:
+        root: The checkpoint root: a path every node sees (shared filesystem) or a URL.
+        address: Connect to this Ray cluster (``"auto"`` or ``host:port``) instead of starting
+            a local one; the ranks are then spread over its nodes.
+        mirror: Also upload committed steps to this URL (the monitor's mirror tier).
+
+    Raises:
+        CheckpointConfigError: the root (or mirror) is not storage that every rank and the
+            monitor see alike, among other configuration errors.
+    """
     started = time.perf_counter()
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        if address is None:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
     run = f"demo-{os.getpid()}"
-    monitor = ckptd.start_monitor(root, run=run, max_ckpt_to_keep=keep, max_state_dict_to_keep=keep)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    print(f"Ray cluster: {len(nodes)} node(s); run {run}, checkpoint root {root}"
+          + (f", mirror {mirror}" if mirror else ""))
+    monitor = ckptd.start_monitor(root, run=run, max_ckpt_to_keep=keep, max_state_dict_to_keep=keep,
+                                  **({"mirror": mirror} if mirror else {}))
     root = ray.get(monitor.worker_config.remote())["root"]
-    job = FSDPJob(workers, run=run)
+    spread = address is not None
+    job = FSDPJob(workers, run=run, spread=spread)
+    _print_nodes(job)
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
 
     rows, reference, after = [], {}, []
@@ -80,21 +105,32 @@ def run_demo(root: str, steps: int = 20, ckpt_every: int = 5, workers: int = 2, 
     latest = ckptd.latest_step(root)
     print(f"latest checkpoint:          {latest} -> {ckptd.step_dir(root, latest) if latest is not None else '-'}")
     print(f"latest state dict:          {ckptd.latest_step(root, 'state_dict')}")
+    if mirror and latest is not None:
+        mirrored = ray.get(monitor.wait_mirrored.remote(latest, 120))
+        print(f"mirrored:                   step {latest} -> {mirror}: "
+              f"{'yes' if mirrored['mirrored'] else 'NO ' + str(mirrored['error'])}")
     if latest is not None:
         ckptd.verify(root, latest)
         if latest == steps:
             after = job.call("train", 2)[0]
         job.teardown()
-        _resumed(root, latest, job, resume_on, run, reference, after)
+        _resumed(root, latest, job, resume_on, run, reference, after, spread)
     print(f"wall time:                  {time.perf_counter() - started:.1f} s")
     job.teardown()
     ray.kill(monitor, no_restart=True)
     return latest
 
 
-def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, reference: dict, after: list) -> None:
+def _print_nodes(job: FSDPJob) -> None:
+    for rank, where in enumerate(job.call("node")):
+        print(f"rank {rank} runs on {where}")
+
+
+def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, reference: dict, after: list,
+             spread: bool = False) -> None:
     """Resume on ``world`` ranks, read the step with DCP, export it to HF; print what matched."""
-    job = FSDPJob(world, actors=old.actors, run=run)
+    job = FSDPJob(world, actors=old.actors, run=run, spread=spread)
+    _print_nodes(job)
     state = job.call("resume", root)[0]
     same = not [k for k, v in reference.items() if not torch.equal(v, job.call("full_state")[0][k])]
     losses = job.call("train", 2)[0] if after else []
@@ -104,21 +140,38 @@ def _resumed(root: str, latest: int, old: FSDPJob, world: int, run: str, referen
           f"{state['consumed']} samples consumed; model and AdamW state equal the {len(old.actors)} ranks': "
           f"{'yes' if same else 'NO'}; next losses match: {match}")
     step_dir = ckptd.step_dir(root, latest)
-    fresh = FSDPJob(world, actors=job.actors)
-    fresh.call("load_with_dcp", f"{step_dir}/{MODEL_DIR}")
-    dcp_same = not [k for k, v in fresh.call("full_state")[0].items()
-                    if not k.startswith(("optim.", "lr")) and not torch.equal(v, reference[k])]
-    print(f"dcp.load (HuggingFaceStorageReader) on {world} ranks: weights equal: {'yes' if dcp_same else 'NO'}")
+    fresh = FSDPJob(world, actors=job.actors, spread=spread)
+    if "://" in root:  # DCP's FileSystemReader (under HuggingFaceStorageReader) opens local paths only
+        fresh.call("resume", root, latest, True)  # the weights alone, for the HF comparison below
+        print(f"dcp.load (HuggingFaceStorageReader) on {world} ranks: skipped, it reads local paths only")
+    else:
+        fresh.call("load_with_dcp", f"{step_dir}/{MODEL_DIR}")
+        dcp_same = not [k for k, v in fresh.call("full_state")[0].items()
+                        if not k.startswith(("optim.", "lr")) and not torch.equal(v, reference[k])]
+        print(f"dcp.load (HuggingFaceStorageReader) on {world} ranks: weights equal: {'yes' if dcp_same else 'NO'}")
     ids = torch.arange(16).reshape(1, 16) % 96
     logits = fresh.call("logits", ids)[0]
     fresh.teardown()
     out = f"{root.rstrip('/')}-hf/step_{latest}"  # next to the root: committed steps never change
     t0 = time.perf_counter()
     ray.get(export_hf_async(root, latest, out, tiny_llama_config().to_dict()))
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        hf_logits = AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits
+    with tempfile.TemporaryDirectory() as local:
+        hf_logits = _hf_logits(out, local, ids)
     close = torch.allclose(hf_logits, logits, rtol=1e-5, atol=1e-5)
     print(f"HF export (Ray task):       {out} in {time.perf_counter() - t0:.1f} s; from_pretrained outputs equal "
           f"the FSDP2 model's: {'yes' if close else 'NO'}")
+
+
+def _hf_logits(out: str, local: str, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the HF export at ``out`` (a path, or a URL copied to ``local`` first:
+    ``from_pretrained`` reads local directories)."""
+    from transformers import AutoModelForCausalLM
+
+    if "://" in out:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(out)
+        fs.get(f"{path.rstrip('/')}/", f"{local}/", recursive=True)
+        out = local
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits

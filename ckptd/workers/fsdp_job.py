@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 import ray
+import ray.util.scheduling_strategies
 import torch
 
 import ckptd
@@ -43,9 +44,9 @@ def tiny_llama_config(**overrides: Any):
     return LlamaConfig(**kw)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -83,13 +84,23 @@ class FSDPTrainer:
     def port(self) -> int:
         return free_port()
 
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it: the process group's rendezvous when the ranks
+        run on several nodes (127.0.0.1 reaches only this one)."""
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def node(self) -> str:
+        """The node this rank runs on, in words: node id and IP."""
+        return f"node {ray.get_runtime_context().get_node_id()[:12]} ({ray.util.get_node_ip_address()})"
+
     def setup(self, rank: int, world_size: int, port: int, *, run: str | None = None, seed: int = 0,
               global_batch: int = 12, lr: float = 3e-3, warmup: int = 4, config: dict | None = None,
-              replicas: int = 1) -> None:
+              replicas: int = 1, master_addr: str = "127.0.0.1") -> None:
         """Join the process group and build the sharded model, optimizer and schedule.
 
         ``replicas > 1`` shards over a 2-D mesh (HSDP): ``replicas`` copies, each sharded over
-        ``world_size // replicas`` ranks.
+        ``world_size // replicas`` ranks. ``master_addr:port`` is rank 0's rendezvous address.
         """
         from torch.distributed.fsdp import fully_shard
         from transformers import LlamaForCausalLM
@@ -98,7 +109,7 @@ class FSDPTrainer:
             raise ValueError(f"global_batch {global_batch} must divide evenly over {world_size} ranks and "
                              f"into the {SAMPLES} samples of an epoch")
         self.teardown()
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank,
                                              world_size=world_size, timeout=timedelta(seconds=120))
         self.rank, self.world_size, self.seed, self.global_batch = rank, world_size, seed, global_batch
         torch.manual_seed(seed)  # the same initial weights on every rank
@@ -281,13 +292,27 @@ Trainer = ray.remote(num_cpus=0)(FSDPTrainer)
 
 
 class FSDPJob:
-    """The driver's handle on N :class:`FSDPTrainer` actors forming one process group."""
+    """The driver's handle on N :class:`FSDPTrainer` actors forming one process group.
 
-    def __init__(self, world_size: int, *, actors: list | None = None, **setup: Any) -> None:
+    With ``spread``, new ranks are placed round-robin over the cluster's live nodes, the
+    driver's first (rank ``r`` on node ``r % nodes``; Ray's ``SPREAD`` strategy is best effort and
+    may put zero-CPU actors together), and rendezvous at rank 0's node IP instead of 127.0.0.1.
+    """
+
+    def __init__(self, world_size: int, *, actors: list | None = None, spread: bool = False, **setup: Any) -> None:
         self.actors = list(actors or [])[:world_size]
-        self.actors += [Trainer.remote() for _ in range(world_size - len(self.actors))]
+        nodes = _nodes_driver_first() if spread else []
+        for rank in range(len(self.actors), world_size):
+            placement = {}
+            if nodes:
+                placement["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    nodes[rank % len(nodes)], soft=False)
+            self.actors.append(Trainer.options(**placement).remote())
         self.world_size = world_size
-        port = ray.get(self.actors[0].port.remote())
+        if spread:
+            setup["master_addr"], port = ray.get(self.actors[0].node_address.remote())
+        else:
+            port = ray.get(self.actors[0].port.remote())
         ray.get([a.setup.remote(r, world_size, port, **setup) for r, a in enumerate(self.actors)])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
@@ -301,3 +326,10 @@ class FSDPJob:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
                 pass  # a rank that died: nothing to leave
+
+
+def _nodes_driver_first() -> list[str]:
+    """The ids of the cluster's live nodes: the caller's node, then the others by id."""
+    here = ray.get_runtime_context().get_node_id()
+    others = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    return [here, *others]

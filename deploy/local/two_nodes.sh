@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Two Ray nodes on one machine, and `ckptd demo` across both of them.
+#
+#   deploy/local/two_nodes.sh shared      [demo options]   # one root both nodes see: passes
+#   deploy/local/two_nodes.sh node-local  [demo options]   # each node its own disk: refused
+#
+# The head node and a worker node are two `ray start` processes, each with its own temp
+# directory, ports and session. The worker node runs in its own mount namespace (an
+# unprivileged user namespace: `unshare --user --map-root-user --mount`), where a directory is
+# bind-mounted over the path that stands for the cluster's shared filesystem:
+#   shared      the same directory: both nodes see one filesystem (as with NFS).
+#   node-local  a directory of its own: the same path is another disk on each node, as a local
+#               path is on a real cluster. ckptd's shared-root check must refuse the run.
+# The demo (its driver runs on the head node) trains on ranks spread over both nodes, saves
+# through ckptd with a mirror, resumes on 3 ranks and exports to HF.
+#
+# Environment: PYTHON (default: python3) must import ckptd and ray; CKPTD_TWO_NODES_DIR, where
+# the nodes' temp directories and disks go (default: a new directory under /tmp; kept if set,
+# removed otherwise). Both nodes are stopped on exit, whatever happens: only the processes
+# started here are signalled (by process group), never another Ray instance on this machine.
+set -euo pipefail
+
+mode=${1:-}
+case "$mode" in
+  shared|node-local) shift ;;
+  *) echo "usage: $0 shared|node-local [ckptd demo options]" >&2; exit 2 ;;
+esac
+PYTHON=${PYTHON:-python3}
+if ! unshare --user --map-root-user --mount true 2>/dev/null; then
+  echo "two_nodes.sh: this kernel does not allow unprivileged user and mount namespaces" \
+       "(unshare --user --map-root-user --mount); the worker node cannot get a disk of its own" >&2
+  exit 3
+fi
+
+# Short paths: Ray's Unix sockets live under the temp directories (at most 107 bytes).
+work=${CKPTD_TWO_NODES_DIR:-$(mktemp -d /tmp/ckptd-2n.XXXXXX)}
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+mnt="$work/mnt"                  # the "shared filesystem": this path, the same on both nodes
+worker_disk="$work/worker-disk"  # node-local mode: what the worker node sees at $mnt instead
+mkdir -p "$mnt" "$worker_disk" "$work/h" "$work/w"
+if [ "$mode" = shared ]; then worker_src=$mnt; else worker_src=$worker_disk; fi
+root=$mnt/ckpt
+mirror=$mnt/mirror
+
+pids=()
+running() {  # is any process of these process groups still running (zombies do not count)?
+  local groups=" $* "
+  ps -e -o pgid=,stat= | awk -v groups="$groups" \
+    'index(groups, " " $1 " ") && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+cleanup() {
+  local rc=$?
+  # SIGTERM to each node's process group: `ray start --block` stops its node's processes
+  # (raylet, GCS, workers) on SIGTERM; whatever is left after the grace period gets SIGKILL.
+  local started=$SECONDS
+  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  for _ in $(seq 150); do
+    running "${pids[@]}" || break
+    sleep 0.2
+  done
+  if running "${pids[@]}"; then
+    echo "two_nodes.sh: the nodes did not stop within 30 s of SIGTERM; killing them" >&2
+    for pid in "${pids[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  fi
+  [ ${#pids[@]} = 0 ] || echo "two_nodes.sh: stopped the Ray nodes in $((SECONDS - started)) s" >&2
+  if [ -z "${CKPTD_TWO_NODES_DIR:-}" ]; then rm -rf "$work"; fi
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+read -r gcs client agent agent_grpc metrics runtime_env nm1 om1 nm2 om2 agent2 agent_grpc2 metrics2 \
+  runtime_env2 < <("$PYTHON" -c '
+import socket
+socks = [socket.socket() for _ in range(14)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])
+')
+common=(--block --num-cpus 1 --object-store-memory 100000000 --disable-usage-stats)
+# Token authentication, with a token of this cluster's own: every node and the driver read it
+# from the file named here (a worker node does not turn it on by itself).
+"$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' >"$work/auth_token"
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$work/auth_token"
+# On SIGTERM a node first drains for up to 30 s, for services that finish requests; none here.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+
+# setsid: each node leads its own process group, which cleanup signals as a whole.
+setsid "$PYTHON" -m ray.scripts.scripts start --head "${common[@]}" --temp-dir "$work/h" --port "$gcs" \
+  --include-dashboard false --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent" \
+  --dashboard-agent-grpc-port "$agent_grpc" --metrics-export-port "$metrics" \
+  --runtime-env-agent-port "$runtime_env" --node-manager-port "$nm1" --object-manager-port "$om1" \
+  >"$work/head.log" 2>&1 &
+pids+=($!)
+disown  # no job notices; cleanup() waits for the process groups itself
+
+for _ in $(seq 600); do  # the head node is up once it has written its address (120 s at most)
+  [ -s "$work/h/ray_current_cluster" ] && break
+  kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/head.log" >&2; echo "two_nodes.sh: the head node did not start" >&2; exit 1; }
+  sleep 0.2
+done
+address=$(cat "$work/h/ray_current_cluster")  # host:port of the head node's GCS
+
+# The worker node: its own mount namespace, where $worker_src is mounted at $mnt.
+setsid unshare --user --map-root-user --mount -- sh -c 'mount --bind "$1" "$2" && shift 2 && exec "$@"' \
+  sh "$worker_src" "$mnt" \
+  "$PYTHON" -m ray.scripts.scripts start "${common[@]}" --address "$address" --temp-dir "$work/w" \
+  --dashboard-agent-listen-port "$agent2" --dashboard-agent-grpc-port "$agent_grpc2" \
+  --metrics-export-port "$metrics2" --runtime-env-agent-port "$runtime_env2" \
+  --node-manager-port "$nm2" --object-manager-port "$om2" >"$work/worker.log" 2>&1 &
+pids+=($!)
+disown
+
+# Wait for both nodes to be alive in the cluster.
+RAY_ADDRESS=$address "$PYTHON" - <<'PY' || { tail -n 30 "$work/head.log" "$work/worker.log" >&2; exit 1; }
+import logging, time
+import ray
+ray.init(logging_level=logging.ERROR, log_to_driver=False)
+deadline = time.monotonic() + 120
+while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    if time.monotonic() > deadline:
+        raise SystemExit("two_nodes.sh: the worker node did not join the cluster within 120 s")
+    time.sleep(0.2)
+PY
+echo "two Ray nodes up at $address (temp dirs $work/h and $work/w); mode $mode: the worker node sees" \
+     "$([ "$mode" = shared ] && echo "the same directory" || echo "its own disk") at $mnt"
+
+# The driver runs on the head node. Its exit status is this script's.
+"$PYTHON" -m ckptd demo --address "$address" --root "$root" --mirror "$mirror" "$@"

@@ -23,8 +23,8 @@ import ray
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
-from ckptd.layout import read_tracker
-from ckptd.manifest import FileEntry
+from ckptd.layout import MANIFESTS, find_step_dir, read_tracker
+from ckptd.manifest import FileEntry, Manifest
 from ckptd.metrics import FAILED_UNITS, RunMetrics
 from ckptd.monitor.attempts import (
     FencedError,
@@ -295,9 +295,25 @@ class CheckpointMonitor(CommitFlow, Publication):
             await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
             return {"refused": why}
         rec, why = self._ledger.finish(uid, files, time.time(), found=found)
+        if why is not None and await self._in_thread(self._counted_in_manifest, uid):
+            # A retried report of a unit the commit counted: the monitor committed the step, then
+            # restarted before its answer reached the worker (a rebuilt ledger does not hold the
+            # units of committed checkpoints), or the step's record was pruned since.
+            return None
         if rec is not None:
             await self._after_change(rec)
         return None if why is None else {"refused": why}
+
+    def _counted_in_manifest(self, uid: UnitId) -> bool:
+        """Whether a committed manifest of the unit's step lists the unit (blocking I/O)."""
+        name = find_step_dir(self._storage, uid.step, self._template)
+        if name is None:
+            return False
+        for kind in Kind:
+            text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
+            if text is not None and uid.key in Manifest.model_validate_json(text).units:
+                return True
+        return False
 
     @staticmethod
     def _changed_committed_files(rec: StepRecord, files: list[FileEntry]) -> list[str]:

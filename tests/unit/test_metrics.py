@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -129,13 +131,21 @@ def test_served_version_lag_is_the_worst_live_subscriber_and_stays_after_they_le
 
 def test_recording_without_ray_or_turned_off_does_nothing_and_never_raises(monkeypatch):
     """Unit tests run without Ray: every call is a no-op, even with labels missing or bad values."""
-    run, off = m.RunMetrics("r"), m.RunMetrics(None)
-    created = set(m._instruments)  # by an integration test that ran in this process before, if any
-    for spec in m.METRICS:
-        for rec in (run, off):
-            rec.inc(spec, 1) if spec.type is m.MetricType.COUNTER else rec.set(spec, 1, kind=CK)
-            rec.observe(spec, float("nan"), bogus="label")
-    assert set(m._instruments) == created  # nothing is created without ray.init
+    # In a fresh interpreter: this worker process may have Ray up for the integration tests.
+    script = """
+from ckptd import metrics as m
+from ckptd.config import Kind
+run, off = m.RunMetrics("r"), m.RunMetrics(None)
+for spec in m.METRICS:
+    for rec in (run, off):
+        rec.inc(spec, 1) if spec.type is m.MetricType.COUNTER else rec.set(spec, 1, kind=Kind.CHECKPOINT)
+        rec.observe(spec, float("nan"), bogus="label")
+assert m._instruments == {}, sorted(m._instruments)  # nothing is created without ray.init
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    run = m.RunMetrics("r")
     monkeypatch.setenv("CKPTD_METRICS", "off")
     assert not m.enabled()
     asked = []

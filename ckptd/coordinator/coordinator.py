@@ -22,9 +22,10 @@ from ckptd import protocol
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.lanes import Job, Lane
-from ckptd.coordinator.staging import StagedCopy, Stager, StagingThread, rebuild, tensors_of
+from ckptd.coordinator.staging import StagingArea, tensors_of
+from ckptd.coordinator.trainer_calls import TrainerCalls
 from ckptd.coordinator.unit_runner import UnitRunner
-from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
+from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from ckptd.manifest import WrittenFile
 from ckptd.metrics import FENCE_WAIT, SAVE_BLOCKED
 from ckptd.protocol import UnitId
@@ -47,7 +48,7 @@ def _drain_at_exit() -> None:
         coord._drain()
 
 
-class CheckpointCoordinator:
+class CheckpointCoordinator(TrainerCalls):
     """Runs save units in background threads and reports them to the CheckpointMonitor.
 
     Args:
@@ -106,9 +107,7 @@ class CheckpointCoordinator:
                                   f"{node}:{os.getpid()}", self._outbox)
         self._fence_step: int | None = None  # the step of the fenced copies before_update waits for
         self._max_pending = max_pending
-        self._max_staged = max_staged
-        self._stagers: dict[str, Stager] = {}
-        self._staging: StagingThread | None = None
+        self._staging = StagingArea(max_staged, f"ckptd-stage-{self._worker}")
         self._lock = threading.Lock()
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
@@ -255,40 +254,19 @@ class CheckpointCoordinator:
                 return [write_safetensors(self._storage, path, snapshot, {"format": "pt"})]
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
-        with self._lock:
-            stager = self._stagers.get(name)
-            if stager is None:
-                stager = self._stagers[name] = Stager(self._max_staged)
-        buf = stager.acquire(leaves)
-        job = StagedCopy(leaves, buf)
-        started = False
-        try:
-            if fenced:
-                self._staging_thread().submit(job)
-                started = True
-            else:
-                started = True
-                job.run()
-                job.wait()
-            snapshot = rebuild(state, buf.tensors)
-        except BaseException:
-            if started:
-                job.join()  # never hand back buffers the staging thread may still be filling
-            stager.release(buf)
-            raise
+        snap = self._staging.snapshot(name, state, leaves, fenced)
 
         def save_fn() -> Any:
             try:
-                job.wait()
-                return write_fn(snapshot)
+                snap.wait()
+                return write_fn(snap.state)
             finally:
-                stager.release(buf)
+                snap.release()
 
         try:
             self._queue(unit, save_fn)
         except BaseException:
-            job.join()  # the staging thread may still be writing into the buffers
-            stager.release(buf)
+            snap.abort()
             raise
         if fenced:
             self._fence_step = unit.step
@@ -299,27 +277,18 @@ class CheckpointCoordinator:
 
         Returns at once when nothing is being staged.
         """
-        staging = self._staging
-        if staging is not None:
-            started = time.time()
-            fenced = staging.fence()
-            now = time.time()
-            if fenced:
-                self._client.metrics.observe(FENCE_WAIT, now - started)
-            step, self._fence_step = self._fence_step, None
-            if step is not None:
-                self._outbox.blocked(self._worker, step, started, now, "before_update (fence)")
+        started = time.time()
+        fenced = self._staging.fence()
+        now = time.time()
+        if fenced:
+            self._client.metrics.observe(FENCE_WAIT, now - started)
+        step, self._fence_step = self._fence_step, None
+        if step is not None:
+            self._outbox.blocked(self._worker, step, started, now, "before_update (fence)")
 
     def staged_bytes(self) -> int:
         """Host memory held by staging buffers, all names together."""
-        with self._lock:
-            return sum(s.allocated_bytes for s in self._stagers.values())
-
-    def _staging_thread(self) -> StagingThread:
-        with self._lock:
-            if self._staging is None:
-                self._staging = StagingThread(f"ckptd-stage-{self._worker}")
-            return self._staging
+        return self._staging.allocated_bytes
 
     def save_sync(self, save_fn: Callable[[], None], global_step: int, is_state_dict: bool = False) -> None:
         """Run ``save_fn`` on the calling thread as one save unit (for saves that need barriers).
@@ -391,87 +360,6 @@ class CheckpointCoordinator:
         except CheckpointSaveError as e:
             log.error("a checkpoint save failed before exit: %s", e)
 
-    # -- trainer side --------------------------------------------------------------------------
-
-    def register(
-        self,
-        global_step: int,
-        is_state_dict: bool = False,
-        state_dict_thread_count: int = 0,
-        checkpoint_thread_count: int = 0,
-    ) -> None:
-        """Register how many save units step ``global_step`` has, across all workers.
-
-        The step of a kind is committed once that many distinct units of the kind have finished
-        and none has failed. Registrations of a step add up per kind, as Trinity's counters do:
-        two calls with ``checkpoint_thread_count=1`` expect two units. Each call carries an id,
-        so a call that Ray or this coordinator retries counts once. Blocking twin of
-        :meth:`register_and_monitor`.
-
-        Raises:
-            CheckpointConfigError: bad step or counts.
-            RegistrationConflictError: it adds units to a step already committed as a checkpoint.
-            CheckpointSaveError: the step already failed.
-        """
-        args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
-        _raise_for(self._client.call("register", *args))
-
-    async def register_and_monitor(
-        self,
-        global_step: int,
-        is_state_dict: bool = False,
-        state_dict_thread_count: int = 0,
-        checkpoint_thread_count: int = 0,
-    ) -> None:
-        """Async form of :meth:`register`; returns once the registration is durable."""
-        args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
-        _raise_for(await self._client.call_async("register", *args))
-
-    def wait_committed(self, global_step: int, is_state_dict: bool = False, timeout_s: float | None = None) -> None:
-        """Block until step ``global_step`` is committed.
-
-        Raises:
-            CheckpointSaveError: the step failed.
-            TimeoutError: it was neither committed nor failed within ``timeout_s``.
-            CheckpointError: the monitor knows nothing of the step and it is older than the
-                newest commit (deleted by retention before the monitor restarted, or never saved).
-        """
-        kind = Kind.from_flag(is_state_dict)
-        result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s)
-        if result["committed"]:
-            return
-        if result["cause"] is None:
-            raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s")
-        if result.get("unknown"):
-            raise CheckpointError(result["cause"])
-        raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])
-
-    def wait_mirrored(self, global_step: int, timeout_s: float | None = None) -> None:
-        """Block until step ``global_step`` is committed on the monitor's mirror (before a job
-        ends, say, so the last checkpoint is not only on a node's local disk).
-
-        Raises:
-            TimeoutError: not mirrored within ``timeout_s``; the upload may still be retrying
-                (``monitor.status.remote().mirror`` says why).
-            CheckpointError: the monitor has no mirror, or the step cannot be mirrored.
-        """
-        result = self._client.call("wait_mirrored", check_step(global_step), timeout_s)
-        if result["mirrored"]:
-            return
-        if result["error"] is None:
-            raise TimeoutError(f"step {global_step} not mirrored within {timeout_s} s")
-        raise CheckpointError(result["error"])
-
-    @staticmethod
-    def _registration(step: int, is_state_dict: bool, sd_count: int, ckpt_count: int) -> tuple:
-        step = check_step(step)
-        counts = {
-            Kind.STATE_DICT.value: check_count(sd_count, "state_dict_thread_count"),
-            Kind.CHECKPOINT.value: check_count(ckpt_count, "checkpoint_thread_count"),
-        }
-        # The id makes a call that Ray or this coordinator retries count once: registrations add up.
-        return step, counts, Kind.from_flag(is_state_dict).value, protocol.new_id()
-
     # -- one unit ------------------------------------------------------------------------------
 
     def _unit(self, name: str, step: int, is_state_dict: bool) -> UnitId:
@@ -497,13 +385,3 @@ class CheckpointCoordinator:
             epoch: Required when the run's ``step_dir_template`` contains ``{epoch}``.
         """
         return f"{self._root_url.rstrip('/')}/{self._template.name(global_step, epoch)}"
-
-def _raise_for(result: dict) -> None:
-    err = result.get("error")
-    if err is None:
-        return
-    if err["type"] == "CheckpointSaveError":
-        raise CheckpointSaveError(err["step"], err["kind"], err["unit"], err["cause"])
-    if err["type"] == "RegistrationConflictError":
-        raise RegistrationConflictError(err["message"])
-    raise CheckpointConfigError(err["message"])

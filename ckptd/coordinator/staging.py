@@ -195,3 +195,85 @@ class StagingThread:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
+
+
+class Snapshot:
+    """A state being copied into a buffer set: ``state`` has the original's structure, with the
+    buffers in place of its tensors. Its save calls :meth:`wait` before reading it and
+    :meth:`release` when done; a save that never runs calls :meth:`abort` instead."""
+
+    def __init__(self, state: Any, copy_job: StagedCopy, stager: Stager, buf: BufferSet) -> None:
+        self.state = state
+        self._copy, self._stager, self._buf = copy_job, stager, buf
+
+    def wait(self) -> None:
+        """Wait for the copy; raise CheckpointError if it failed."""
+        self._copy.wait()
+
+    def release(self) -> None:
+        """Hand the buffers back for the next save of the name."""
+        self._stager.release(self._buf)
+
+    def abort(self) -> None:
+        """Wait until nothing writes into the buffers any more (the copy may still run on the
+        staging thread), then hand them back."""
+        self._copy.join()
+        self._stager.release(self._buf)
+
+
+class StagingArea:
+    """A coordinator's staging: the buffers of each save name, and one thread for fenced copies
+    (started on the first one)."""
+
+    def __init__(self, max_staged: int, thread_name: str) -> None:
+        self._max_staged = max_staged
+        self._thread_name = thread_name
+        self._stagers: dict[str, Stager] = {}
+        self._thread: StagingThread | None = None
+        self._lock = threading.Lock()
+
+    def snapshot(self, name: str, state: Any, leaves: list[torch.Tensor], fenced: bool) -> Snapshot:
+        """Copy ``leaves`` (the tensors of ``state``) into the buffers of ``name``: here, or on
+        the staging thread when ``fenced`` (then :meth:`fence` waits for it). Blocks while
+        ``max_staged`` snapshots of ``name`` are held.
+
+        Raises:
+            CheckpointError: an eager copy failed (the buffers are handed back).
+        """
+        with self._lock:
+            stager = self._stagers.get(name)
+            if stager is None:
+                stager = self._stagers[name] = Stager(self._max_staged)
+        buf = stager.acquire(leaves)
+        copy_job = StagedCopy(leaves, buf)
+        started = False
+        try:
+            if fenced:
+                self._staging_thread().submit(copy_job)
+                started = True
+            else:
+                started = True
+                copy_job.run()
+                copy_job.wait()
+            return Snapshot(rebuild(state, buf.tensors), copy_job, stager, buf)
+        except BaseException:
+            if started:
+                copy_job.join()  # never hand back buffers the staging thread may still be filling
+            stager.release(buf)
+            raise
+
+    def fence(self) -> bool:
+        """Wait for every fenced copy; True if any was submitted since the last fence."""
+        thread = self._thread
+        return thread.fence() if thread is not None else False
+
+    @property
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return sum(s.allocated_bytes for s in self._stagers.values())
+
+    def _staging_thread(self) -> StagingThread:
+        with self._lock:
+            if self._thread is None:
+                self._thread = StagingThread(self._thread_name)
+            return self._thread

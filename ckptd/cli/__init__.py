@@ -15,7 +15,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every subcommand and option)."""
     from ckptd import __version__
     from ckptd.cli import gc, status, steps, timeline
 
@@ -66,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     retire.add_argument("--address", default="auto",
                         help="the Ray cluster where the root's monitor would live: refused while it is live "
                              "(default: auto; none found: nothing to check)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ckptd.cli import gc, status, steps, timeline
+
+    args = build_parser().parse_args(argv)
 
     if args.command in ("latest", "ls", "show", "export-hf"):
         return steps.run(args)

@@ -16,16 +16,14 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 import ray
 
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
-from ckptd.layout import MANIFESTS, find_step_dir, read_tracker
-from ckptd.manifest import FileEntry, Manifest
-from ckptd.metrics import FAILED_UNITS, RunMetrics
+from ckptd.layout import read_tracker
+from ckptd.metrics import RunMetrics
 from ckptd.monitor.attempts import (
     FencedError,
     check_fence,
@@ -36,7 +34,7 @@ from ckptd.monitor.attempts import (
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
+from ckptd.monitor.ledger import StepLedger
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -45,7 +43,8 @@ from ckptd.monitor.recorder import Recorder
 from ckptd.monitor.retention import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
 from ckptd.monitor.status import build_status
-from ckptd.protocol import Registration, UnitFailure, UnitId
+from ckptd.monitor.unit_reports import UnitReports, slot_key
+from ckptd.protocol import Registration, UnitId
 from ckptd.shared_root import probe_visible, unshared_message, where_am_i
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -56,11 +55,7 @@ log = logging.getLogger("ckptd.monitor")
 _HISTORY = 1000  # unshared writers reported by status()
 
 
-def _slot_key(unit: UnitId) -> str:
-    return f"{unit.step}/{unit.kind.value}/{unit.key}"
-
-
-class CheckpointMonitor(CommitFlow, Publication):
+class CheckpointMonitor(UnitReports, CommitFlow, Publication):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -231,105 +226,6 @@ class CheckpointMonitor(CommitFlow, Publication):
                                   "unit": unit, "cause": cause}}
         return None
 
-    async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> list[dict | None]:
-        """Several notifications in one call, applied in order; one result each.
-
-        ``("started", unit, None)`` asks whether the unit may write: ``{"refused": why}`` if its
-        step is committed or failed, else ``{"admitted": True}``. ``("finished", unit,
-        {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
-        ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
-        changed a committed file), else None. ``("failed", unit, failure)`` answers None.
-        """
-        results = []
-        for event, unit, payload in events:
-            self._notifications += 1
-            self._recorder.notification(payload)
-            if event == "timing":  # spans only (what a worker measured after its last notification)
-                results.append(None)
-                continue
-            uid = UnitId.from_dict(unit)
-            if event == "started":
-                why = await self._admit(uid)
-                results.append({"refused": why} if why else {"admitted": True})
-            elif event == "finished":
-                body = payload if isinstance(payload, dict) else {"files": payload}
-                results.append(await self._finished(uid, [FileEntry(**f) for f in body["files"]],
-                                                    bool(body.get("found", False))))
-            elif event == "failed":
-                await self._failed(uid, UnitFailure(**payload))
-                results.append(None)
-            else:
-                log.error("ignoring unknown notification %r", event)
-                results.append(None)
-        return results
-
-    async def _admit(self, uid: UnitId) -> str | None:
-        await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
-        if self._fenced is not None:
-            return self._fenced
-        why = self._ledger.admit(uid, time.time())
-        if why is not None:
-            await self.durable(uid.step)  # "already failed" is said only once it is recorded
-        return why
-
-    async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
-        self._slots.release(_slot_key(uid))
-        rec = self._ledger.get(uid.step)
-        counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
-        changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
-        if changed:
-            # Storage decides, not the report: are the bytes the state dict's manifest lists gone?
-            listed = [rec[SD].committed_files[p] for p in changed]
-            gone = await self._in_thread(self._committer.differs, uid.step, listed)
-            if gone:
-                why = (f"unit {uid.label} rewrote {gone[0]} of step {uid.step} with other content, but the step's "
-                       "committed state dict lists that file: committed files must not change, so that state "
-                       "dict is withdrawn. Write the full checkpoint's files under other names, or save into a "
-                       "new step")
-                # Take that commit back, so that no manifest (and no tracker) claims what is not on
-                # storage, then fail the unit.
-                await self._revoke_state_dict(rec, why)
-            else:
-                why = (f"unit {uid.label} reported {changed[0]} of step {uid.step} with other content than "
-                       "storage holds (the step's committed state dict); its report is wrong")
-            await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
-            return {"refused": why}
-        rec, why = self._ledger.finish(uid, files, time.time(), found=found)
-        if why is not None and await self._in_thread(self._counted_in_manifest, uid):
-            # A retried report of a unit the commit counted: the monitor committed the step, then
-            # restarted before its answer reached the worker (a rebuilt ledger does not hold the
-            # units of committed checkpoints), or the step's record was pruned since.
-            return None
-        if rec is not None:
-            await self._after_change(rec)
-        return None if why is None else {"refused": why}
-
-    def _counted_in_manifest(self, uid: UnitId) -> bool:
-        """Whether a committed manifest of the unit's step lists the unit (blocking I/O)."""
-        name = find_step_dir(self._storage, uid.step, self._template)
-        if name is None:
-            return False
-        for kind in Kind:
-            text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
-            if text is not None and uid.key in Manifest.model_validate_json(text).units:
-                return True
-        return False
-
-    @staticmethod
-    def _changed_committed_files(rec: StepRecord, files: list[FileEntry]) -> list[str]:
-        """Files a unit reported with other content than the step's committed state dict lists."""
-        committed = rec[SD].committed_files
-        return [f.path for f in files
-                if f.path in committed and (committed[f.path].size, committed[f.path].crc32) != (f.size, f.crc32)]
-
-    async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
-        self._slots.release(_slot_key(uid))
-        rec = self._ledger.fail(uid, failure, time.time())
-        unit = rec.units.get(uid.key)
-        if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
-            self._metrics.inc(FAILED_UNITS, kind=uid.kind)
-        await self._after_change(rec)
-
     async def acquire_slot(self, unit: dict, node: str, process: str) -> dict:
         """Admit the unit, then wait for a writer slot. Returns ``{"granted": True}``, or
         ``{"aborted": cause}`` when the unit may not write (its step is committed or failed)."""
@@ -338,7 +234,7 @@ class CheckpointMonitor(CommitFlow, Publication):
         why = await self._admit(uid)
         if why is not None:
             return {"aborted": why}
-        return await self._slots.acquire(_slot_key(uid), node, process)
+        return await self._slots.acquire(slot_key(uid), node, process)
 
     async def renew_slots(self, held: list[tuple[str, str, str]]) -> None:
         """Extend the leases of slots a coordinator still holds (its writers are alive)."""

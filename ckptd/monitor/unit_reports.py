@@ -1,0 +1,125 @@
+"""What workers report about their save units (started, finished, failed), as the monitor
+receives it: ``notify_batch`` and what each report does to the step's ledger."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ckptd.config import Kind
+from ckptd.layout import MANIFESTS, find_step_dir
+from ckptd.manifest import FileEntry, Manifest
+from ckptd.metrics import FAILED_UNITS
+from ckptd.monitor.ledger import SD, StepRecord, StepState
+from ckptd.protocol import UnitFailure, UnitId
+
+log = logging.getLogger("ckptd.monitor")
+
+
+def slot_key(unit: UnitId) -> str:
+    return f"{unit.step}/{unit.kind.value}/{unit.key}"
+
+
+class UnitReports:
+    """The unit-report half of :class:`~ckptd.monitor.actor.CheckpointMonitor` (a mixin: the
+    actor provides the ledger, storage, committer, slots, recorder, metrics and commit flow)."""
+
+    async def notify_batch(self, events: list[tuple[str, dict, Any]]) -> list[dict | None]:
+        """Several notifications in one call, applied in order; one result each.
+
+        ``("started", unit, None)`` asks whether the unit may write: ``{"refused": why}`` if its
+        step is committed or failed, else ``{"admitted": True}``. ``("finished", unit,
+        {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
+        ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
+        changed a committed file), else None. ``("failed", unit, failure)`` answers None.
+        """
+        results = []
+        for event, unit, payload in events:
+            self._notifications += 1
+            self._recorder.notification(payload)
+            if event == "timing":  # spans only (what a worker measured after its last notification)
+                results.append(None)
+                continue
+            uid = UnitId.from_dict(unit)
+            if event == "started":
+                why = await self._admit(uid)
+                results.append({"refused": why} if why else {"admitted": True})
+            elif event == "finished":
+                body = payload if isinstance(payload, dict) else {"files": payload}
+                results.append(await self._finished(uid, [FileEntry(**f) for f in body["files"]],
+                                                    bool(body.get("found", False))))
+            elif event == "failed":
+                await self._failed(uid, UnitFailure(**payload))
+                results.append(None)
+            else:
+                log.error("ignoring unknown notification %r", event)
+                results.append(None)
+        return results
+
+    async def _admit(self, uid: UnitId) -> str | None:
+        await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
+        if self._fenced is not None:
+            return self._fenced
+        why = self._ledger.admit(uid, time.time())
+        if why is not None:
+            await self.durable(uid.step)  # "already failed" is said only once it is recorded
+        return why
+
+    async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
+        self._slots.release(slot_key(uid))
+        rec = self._ledger.get(uid.step)
+        counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
+        changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
+        if changed:
+            # Storage decides, not the report: are the bytes the state dict's manifest lists gone?
+            listed = [rec[SD].committed_files[p] for p in changed]
+            gone = await self._in_thread(self._committer.differs, uid.step, listed)
+            if gone:
+                why = (f"unit {uid.label} rewrote {gone[0]} of step {uid.step} with other content, but the step's "
+                       "committed state dict lists that file: committed files must not change, so that state "
+                       "dict is withdrawn. Write the full checkpoint's files under other names, or save into a "
+                       "new step")
+                # Take that commit back, so that no manifest (and no tracker) claims what is not on
+                # storage, then fail the unit.
+                await self._revoke_state_dict(rec, why)
+            else:
+                why = (f"unit {uid.label} reported {changed[0]} of step {uid.step} with other content than "
+                       "storage holds (the step's committed state dict); its report is wrong")
+            await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
+            return {"refused": why}
+        rec, why = self._ledger.finish(uid, files, time.time(), found=found)
+        if why is not None and await self._in_thread(self._counted_in_manifest, uid):
+            # A retried report of a unit the commit counted: the monitor committed the step, then
+            # restarted before its answer reached the worker (a rebuilt ledger does not hold the
+            # units of committed checkpoints), or the step's record was pruned since.
+            return None
+        if rec is not None:
+            await self._after_change(rec)
+        return None if why is None else {"refused": why}
+
+    def _counted_in_manifest(self, uid: UnitId) -> bool:
+        """Whether a committed manifest of the unit's step lists the unit (blocking I/O)."""
+        name = find_step_dir(self._storage, uid.step, self._template)
+        if name is None:
+            return False
+        for kind in Kind:
+            text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
+            if text is not None and uid.key in Manifest.model_validate_json(text).units:
+                return True
+        return False
+
+    @staticmethod
+    def _changed_committed_files(rec: StepRecord, files: list[FileEntry]) -> list[str]:
+        """Files a unit reported with other content than the step's committed state dict lists."""
+        committed = rec[SD].committed_files
+        return [f.path for f in files
+                if f.path in committed and (committed[f.path].size, committed[f.path].crc32) != (f.size, f.crc32)]
+
+    async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
+        self._slots.release(slot_key(uid))
+        rec = self._ledger.fail(uid, failure, time.time())
+        unit = rec.units.get(uid.key)
+        if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
+            self._metrics.inc(FAILED_UNITS, kind=uid.kind)
+        await self._after_change(rec)

@@ -133,18 +133,9 @@ def render(status: Any, now: float) -> list[Any]:
     return out
 
 
-def mirror_lag(status: Any, now: float) -> tuple[int | None, float | None]:
-    """How far the mirror is behind the root: in steps (the newest committed step against the
-    newest mirrored one) and in seconds (since the oldest step still waiting was queued)."""
-    m = status.mirror
-    newest = max((s for s in (status.trackers.checkpoint, status.trackers.state_dict) if s is not None), default=None)
-    mirrored = max((s for s in (m.trackers.checkpoint, m.trackers.state_dict) if s is not None), default=None)
-    steps = None if newest is None else max(0, newest - (mirrored or 0))
-    waiting = [s.queued_at for s in m.steps if s.state.value in ("queued", "uploading", "failed")]
-    return steps, (now - min(waiting)) if waiting else 0.0
-
-
 def _mirror(status: Any, now: float) -> Table:
+    from ckptd.monitor.gauges import mirror_lag
+
     m = status.mirror
     lag_steps, lag_s = mirror_lag(status, now)
     t = _table(f"mirror {m.url}: latest checkpoint {_dash(m.trackers.checkpoint)}, state dict "

@@ -54,19 +54,25 @@ def gauge_values(status: MonitorStatus, now: float, served_kinds: set[Kind] | No
     return out
 
 
-def _mirror(status: MonitorStatus, now: float) -> list[GaugeValue]:
+def mirror_lag(status: MonitorStatus, now: float) -> tuple[int | None, float]:
+    """How far the mirror is behind the root: in training steps (the root's newest checkpoint
+    against the mirror's; None before the first checkpoint) and in seconds (the age of the
+    oldest step committed on the root and not yet on the mirror; 0 when none waits)."""
     mirror = status.mirror
-    if mirror is None:
-        return []
-    out = []
+    assert mirror is not None
     # Checkpoints always go to the mirror; its tracker is what a reader of the mirror resumes from.
     local, remote = status.trackers.checkpoint, mirror.trackers.checkpoint
-    if local is not None:
-        lag = local - remote if remote is not None else local
-        out.append(GaugeValue(m.MIRROR_LAG_STEPS, {}, max(0, lag)))
+    steps = None if local is None else max(0, local - remote if remote is not None else local)
     waiting = [s.queued_at for s in mirror.steps if s.state in _NOT_MIRRORED]
-    out.append(GaugeValue(m.MIRROR_LAG_SECONDS, {}, max(0.0, now - min(waiting)) if waiting else 0.0))
-    return out
+    return steps, max(0.0, now - min(waiting)) if waiting else 0.0
+
+
+def _mirror(status: MonitorStatus, now: float) -> list[GaugeValue]:
+    if status.mirror is None:
+        return []
+    steps, seconds = mirror_lag(status, now)
+    out = [] if steps is None else [GaugeValue(m.MIRROR_LAG_STEPS, {}, steps)]
+    return out + [GaugeValue(m.MIRROR_LAG_SECONDS, {}, seconds)]
 
 
 def _served(status: MonitorStatus, served_kinds: set[Kind]) -> list[GaugeValue]:

@@ -105,17 +105,19 @@ def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
     for entry in timing.get("units") or []:
         try:
             unit = entry["unit"]
+            error = entry.get("error")
             out.append(Span(UNIT, int(unit["step"]), float(entry["start"]), float(entry["end"]),
                             worker=str(unit["worker"]), name=str(unit["name"]), kind=str(unit["kind"]),
                             admitted=None if entry.get("admitted") is None else float(entry["admitted"]),
-                            error=entry.get("error"), attempt=attempt))
-        except (KeyError, TypeError, ValueError) as e:
+                            # str: a span must stay JSON-writable, or every later flush would fail on it
+                            error=None if error is None else str(error), attempt=attempt))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed unit timing %r: %s", str(entry)[:200], e)
     for entry in timing.get("blocked") or []:
         try:
             out.append(Span(BLOCKED, int(entry["step"]), float(entry["start"]), float(entry["end"]),
                             worker=str(entry["worker"]), name=str(entry.get("what", "")), attempt=attempt))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed blocked timing %r: %s", str(entry)[:200], e)
     return out
 
@@ -267,17 +269,20 @@ def read_events(storage: Storage, run: str) -> list[Span]:
         spans: list[Span] = []
         vanished = False
         for name in names:
-            text = storage.read_text_or_none(f"{directory}/{name}")
-            if text is None:
-                vanished = True
-                break
             try:
+                text = storage.read_text_or_none(f"{directory}/{name}")
+                if text is None:
+                    vanished = True
+                    break
                 body = json.loads(text)
-                if body.get("format") != FORMAT:
-                    raise ValueError(f"format {body.get('format')!r}, this ckptd reads {FORMAT}")
+                if not isinstance(body, dict) or body.get("format") != FORMAT:
+                    found = body.get("format") if isinstance(body, dict) else type(body).__name__
+                    raise ValueError(f"format {found!r}, this ckptd reads {FORMAT}")
                 spans += [Span.from_dict(d) for d in body["spans"]]
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("skipping unreadable timeline file %s: %s", name, e)
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+                # Damage from outside ckptd (a truncated or overwritten file, UnicodeDecodeError
+                # included): the file's spans are lost, the others are still drawn.
+                log.warning("skipping unreadable timeline file %s: %s: %s", name, type(e).__name__, e)
         if not vanished:
             return sorted(spans, key=lambda s: (s.step, s.start))
     raise OSError(f"the timeline files under {directory} kept changing while being read; try again")

@@ -108,13 +108,24 @@ def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
         if item.committed:
             delete_step(storage, StepEntry(item.step, item.path, frozenset(_kinds_of(storage, item.path))))
         else:
-            if item.step is not None and "/" not in item.path and _kinds_of(storage, item.path):
+            if item.step is not None and _committed_since(storage, item.path):
                 continue  # committed since the plan was made (a job came back): keep it
             storage.rm(storage.join(item.path))
         removed.append(item)
         if progress is not None:
             progress(item)
     return removed
+
+
+def _committed_since(storage: Storage, path: str) -> bool:
+    """Whether a leftover of a step (its directory, or a file in it) is committed now: the
+    directory has a manifest, or the file is listed by one (the step's full checkpoint committed
+    after the plan listed the file as the rest of a checkpoint that never committed)."""
+    name, _, rel = path.partition("/")
+    kinds = _kinds_of(storage, name)
+    if not rel or not kinds:
+        return bool(kinds)
+    return rel in _listed(storage, StepEntry(0, name, frozenset(kinds)))
 
 
 def _kinds_of(storage: Storage, name: str) -> set[Kind]:

@@ -10,6 +10,7 @@ committed files are never changed or removed."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import pytest
@@ -23,7 +24,7 @@ from ckptd.manifest import Manifest
 from ckptd.monitor.events import EVENTS_DIR
 from ckptd.storage import Storage
 from ckptd.verify import verify
-from tests.integration.helpers import restart_monitor, status
+from tests.integration.helpers import restart_monitor, status, wait_for
 
 
 def _writer(coord, step: int, name: str, gate: threading.Event | None = None,
@@ -199,3 +200,41 @@ def test_gc_keeps_what_a_job_commits_between_plan_and_run(make_monitor, tmp_path
     verify(root, 5)
     assert sorted(scan_steps(Storage(root))) == [4, 5]
     _trackers_name_committed_steps(root)
+
+
+def test_sigterm_before_the_first_save_and_again_during_the_final_save(make_monitor, tmp_path):
+    """Two SIGTERMs, the first before anything was saved, the second while the final save writes:
+    one save of the step, one unit in its commit, the first notice's time kept, exit code 75."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="rank0")
+    calls, writing, gate = [], threading.Event(), threading.Event()
+
+    def save(step: int) -> None:
+        calls.append(step)
+        coord.register(step, checkpoint_thread_count=1)
+        coord.save_async("model", _writer(coord, step, "model", gate, writing), step)
+
+    def second_sigterm() -> None:
+        assert writing.wait(30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: guard.notice is not first, what="the second SIGTERM's handler")  # a new Notice
+        gate.set()
+
+    with ckptd.PreemptionGuard(coord, save, exit=False, watch_ray_drain=False, grace_s=60) as guard:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: guard.preempted, what="the SIGTERM handler")
+        first = guard.notice
+        helper = threading.Thread(target=second_sigterm)
+        helper.start()
+        try:
+            outcome = guard.at_step_boundary(1)
+        finally:
+            gate.set()
+            helper.join()
+        assert guard.at_step_boundary(2) is outcome
+    assert guard.notice.received_at == first.received_at  # the second notice did not restart the clock
+    assert calls == [1] and outcome.saved and outcome.complete and outcome.error is None
+    assert outcome.exit_code == ckptd.PREEMPTED_EXIT_CODE == 75
+    assert {k.split("#")[0] for k in _manifest_units(root, 1)} == {"rank0/model"}
+    assert ckptd.latest_step(root) == 1
+    coord.close()

@@ -33,6 +33,7 @@ from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_re
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.shared_root import PROBE_DIR
 from ckptd.storage import FileStat, Storage
+from ckptd.template import StepDirTemplate
 
 DEFAULT_MIN_IDLE_S = 600.0
 
@@ -74,7 +75,9 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
     storage = Storage(root, storage_options)
     now = time.time() if now is None else now
     plan = GcPlan(storage.url)
-    entries = scan_steps(storage, read_template(storage))
+    template = read_template(storage)
+    entries = scan_steps(storage, template)
+    _hidden_duplicates(plan, storage, template, entries, now, min_idle_s)
     for step, entry in sorted(entries.items()):
         files = storage.walk_files(storage.join(entry.name))
         if not entry.committed:
@@ -169,6 +172,22 @@ def _internal_leftovers(plan: GcPlan, storage: Storage, now: float, min_idle_s: 
             st = storage.stat(storage.join(name))
             _add_if_idle(plan, storage, name, {name: st}, now, min_idle_s,
                          Garbage(name, "temp file of a write that never finished", st.size))
+
+
+def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate, entries: dict[int, StepEntry],
+                       now: float, min_idle_s: float) -> None:
+    """Uncommitted directories of a step that another directory holds (an epoch template, with a
+    crashed attempt left under another epoch): scan_steps shows one directory per step, so these
+    would never be collected."""
+    shown = {e.name for e in entries.values()}
+    for name in storage.listdir(storage.root):
+        step = template.parse(name)
+        if step is None or name in shown or _kinds_of(storage, name):
+            continue  # not a step directory, the one shown, or a second committed one (not ours to pick)
+        files = storage.walk_files(storage.join(name))
+        _add_if_idle(plan, storage, name, files, now, min_idle_s,
+                     Garbage(name, f"no manifest: a save that never committed (step {step} has another "
+                                   f"directory, {entries[step].name})", _size(files), step))
 
 
 def _listed(storage: Storage, entry: StepEntry) -> set[str]:

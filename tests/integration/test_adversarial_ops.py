@@ -238,3 +238,34 @@ def test_sigterm_before_the_first_save_and_again_during_the_final_save(make_moni
     assert {k.split("#")[0] for k in _manifest_units(root, 1)} == {"rank0/model"}
     assert ckptd.latest_step(root) == 1
     coord.close()
+
+
+def test_gc_collects_a_crashed_attempts_directory_of_a_step_another_epoch_committed(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, step_dir_template="epoch-{epoch}_step-{step}")
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(5, checkpoint_thread_count=1)
+    out = coord.step_dir(5, epoch=1)
+
+    def write() -> list[str]:
+        os.makedirs(out, exist_ok=True)
+        torch.save({"w": torch.ones(4)}, f"{out}/model.pt")
+        return [f"{out}/model.pt"]
+
+    coord.save_async("model", write, 5)
+    coord.wait_committed(5, timeout_s=30)
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+    # An older attempt crashed while saving step 5 under epoch 0 (found after the commit: with
+    # both present while saving, the commit refuses to pick one).
+    crashed = os.path.join(root, "epoch-0_step-5")
+    os.makedirs(crashed)
+    torch.save({"w": torch.zeros(4)}, f"{crashed}/model.pt")
+
+    plan = plan_gc(root, min_idle_s=0)
+    assert [g.path for g in plan.items] == ["epoch-0_step-5"]
+    assert plan_gc(root).kept_busy == ["epoch-0_step-5"]  # just written: not idle yet
+    run_gc(plan)
+    assert not os.path.exists(crashed)
+    verify(root, 5)
+    assert ckptd.latest_step(root) == 5

@@ -270,3 +270,30 @@ def test_gc_collects_a_crashed_attempts_directory_of_a_step_another_epoch_commit
     assert not os.path.exists(crashed)
     verify(root, 5)
     assert ckptd.latest_step(root) == 5
+
+
+def test_gc_forced_on_a_step_being_saved_fails_the_step_instead_of_committing_missing_files(make_monitor, tmp_path):
+    """--min-idle 0 with a job still writing (no live-monitor check reached it): the files gc
+    removed are in the units' reports, so the commit check must fail the step, never commit it."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, step_timeout_s=120)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(1, checkpoint_thread_count=1)
+    coord.save_async("model", _writer(coord, 1, "model"), 1)
+    coord.wait_committed(1, timeout_s=30)
+    gate, written = threading.Event(), threading.Event()
+    coord.register(2, checkpoint_thread_count=2)
+    coord.save_async("model", _writer(coord, 2, "model"), 2)
+    coord.save_async("optim", _writer(coord, 2, "optim", gate, written), 2)
+    try:
+        assert written.wait(30)
+        wait_for(lambda: len(status(monitor).step(2).finished) == 1, what="the first unit's report")
+        removed = run_gc(plan_gc(root, min_idle_s=0))
+    finally:
+        gate.set()
+    assert os.path.basename(coord.step_dir(2)) in {g.path for g in removed}
+    with pytest.raises(ckptd.CheckpointSaveError, match="missing from storage"):
+        coord.wait_committed(2, timeout_s=30)
+    assert ckptd.latest_step(root) == 1
+    _trackers_name_committed_steps(root)
+    coord.close()  # the failure was reported by wait_committed

@@ -143,10 +143,22 @@ def test_timing_garbage_never_counts_as_a_unit_nor_stops_commits_or_persisting(m
     coord2.register(5, checkpoint_thread_count=1)
     coord2.save_async("model", _writer(coord2, 5, "model"), 5)
     coord2.wait_committed(5, timeout_s=30)
+    # Garbage timing inside a unit's own started and finished payloads: the unit still counts, once.
+    coord2.register(6, checkpoint_thread_count=1)
+    unit = _unit_dict("raw", "model", 6, "raw-1")
+    bad = {"units": [{"unit": None}, 7], "blocked": [None, {"step": "x"}]}
+    answers = ray.get(monitor2.notify_batch.remote([
+        ("started", unit, {"timing": "garbage"}), ("started", unit, {"timing": bad}),
+        ("finished", unit, {"files": [], "found": False, "timing": bad}),
+        ("finished", unit, {"files": [], "timing": {"units": [{"unit": unit, "start": "soon"}]}}),
+    ]))
+    assert answers == [{"admitted": True}, {"admitted": True}, None, None]
+    coord2.wait_committed(6, timeout_s=30)
+    assert _manifest_units(root, 6) == {"raw/model#raw-1"}
     coord2.close()
     assert ray.get(monitor2.timeline.remote(flush=True))["flushed"] is True
     _trackers_name_committed_steps(root)
-    for step in (1, 3, 4, 5):
+    for step in (1, 3, 4, 5, 6):
         verify(root, step)
 
 

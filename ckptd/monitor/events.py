@@ -206,6 +206,7 @@ class EventStore:
     _nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     _seq: int = 0
     _chunks: int | None = None  # chunk files since the newest snapshot, once known
+    _last_ms: int = 0  # names never go below this: the newest file's time, from any writer
 
     @property
     def directory(self) -> str:
@@ -213,7 +214,10 @@ class EventStore:
 
     def _name(self, snapshot: bool) -> str:
         self._seq += 1
-        return f"{int(time.time() * 1000):013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
+        # Never before an existing file: an earlier monitor of the run on a node whose clock ran
+        # ahead would otherwise leave the newest snapshot, and readers would ignore what follows.
+        self._last_ms = max(int(time.time() * 1000), self._last_ms)
+        return f"{self._last_ms:013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
 
     def _publish(self, spans: list[Span], snapshot: bool) -> str:
         body = {"format": FORMAT, "run": self.run, "snapshot": snapshot, "spans": [s.to_dict() for s in spans]}
@@ -230,7 +234,9 @@ class EventStore:
             OSError (or the backend's error): the write failed; nothing was deleted.
         """
         if self._chunks is None:
-            self._chunks = sum(n.endswith("-c.json") for n in _current_files(self.storage.listdir(self.directory)))
+            current = _current_files(self.storage.listdir(self.directory))
+            self._chunks = sum(n.endswith("-c.json") for n in current)
+            self._last_ms = max([self._last_ms] + [_ms_of(n) + 1 for n in current])
         if self._chunks < self.max_chunks:
             self._publish(new, snapshot=False)
             self._chunks += 1
@@ -243,6 +249,12 @@ class EventStore:
                     self.storage.rm(f"{self.directory}/{old}")
                 except OSError as e:  # a leftover is superseded anyway; the next snapshot retries
                     log.warning("could not remove superseded timeline file %s: %s", old, e)
+
+
+def _ms_of(name: str) -> int:
+    """The time in a file's name (0 for a name that has none)."""
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _current_files(names: list[str]) -> list[str]:

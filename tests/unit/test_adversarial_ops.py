@@ -50,3 +50,23 @@ def test_damaged_timeline_files_are_skipped_and_the_rest_still_read(tmp_path):
         with open(os.path.join(directory, name), "wb") as f:
             f.write(body if isinstance(body, bytes) else body.encode())
     assert [s.step for s in read_events(storage, "run")] == [1, 2]
+
+
+def test_a_snapshot_left_by_a_monitor_whose_clock_ran_ahead_does_not_hide_what_follows(tmp_path):
+    # The run's previous monitor ran on a node whose clock was ahead: its snapshot's name sorts
+    # after everything this monitor writes by its own clock, so readers took it as the newest and
+    # ignored every later chunk and snapshot (a restarted monitor lost them).
+    storage = Storage(str(tmp_path))
+    directory = os.path.join(str(tmp_path), EVENTS_DIR, "run")
+    os.makedirs(directory)
+    body = {"format": 1, "run": "run", "snapshot": True, "spans": [Span("commit", 1, 1.0, 2.0).to_dict()]}
+    with open(os.path.join(directory, "9999999999000-aaaaaaaa-000001-s.json"), "w") as f:
+        json.dump(body, f)
+    store = EventStore(storage, "run", max_chunks=2)
+    log = EventLog()
+    log.add(read_events(storage, "run"), flushed=True)
+    for step in (2, 3, 4):  # two chunks, then a snapshot
+        log.add([Span("commit", step, 1.0, 2.0)])
+        store.write(log.take_unflushed(), log.spans())
+    assert [s.step for s in read_events(storage, "run")] == [1, 2, 3, 4]
+    assert "9999999999000-aaaaaaaa-000001-s.json" not in os.listdir(directory)  # superseded, removed

@@ -22,6 +22,7 @@ from ckptd.gc import plan_gc, run_gc
 from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.events import EVENTS_DIR
+from ckptd.monitor.retention import RetentionPolicy
 from ckptd.storage import Storage
 from ckptd.verify import verify
 from tests.integration.helpers import restart_monitor, status, wait_for
@@ -213,6 +214,10 @@ def test_gc_keeps_what_a_job_commits_between_plan_and_run(make_monitor, tmp_path
     verify(root, 5)
     assert sorted(scan_steps(Storage(root))) == [4, 5]
     _trackers_name_committed_steps(root)
+    # Past a policy, step 4 would go, but not while the run's mirror lacks it (here: holds nothing).
+    policy = RetentionPolicy(1, 1)
+    assert [g.path for g in plan_gc(root, policy=policy, min_idle_s=0).items if g.committed] == [name4]
+    assert not plan_gc(root, policy=policy, min_idle_s=0, mirror=str(tmp_path / "mirror")).items
 
 
 def test_sigterm_before_the_first_save_and_again_during_the_final_save(make_monitor, tmp_path):

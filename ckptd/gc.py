@@ -109,6 +109,8 @@ def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
     removed = []
     for item in plan.items:
         if item.committed:
+            if item.step in _pinned(storage):
+                continue  # a tracker or a reader's lease came to it since the plan was made: keep it
             delete_step(storage, StepEntry(item.step, item.path, frozenset(_kinds_of(storage, item.path))))
         else:
             if item.step is not None and _committed_since(storage, item.path):
@@ -199,15 +201,21 @@ def _listed(storage: Storage, entry: StepEntry) -> set[str]:
     return listed
 
 
-def _past_policy(plan: GcPlan, storage: Storage, entries: dict[int, StepEntry], policy: RetentionPolicy,
-                 mirror: str | None, mirror_storage_options: dict | None) -> None:
+def _pinned(storage: Storage) -> set[int]:
+    """Committed steps no policy may delete: the trackers' targets and the steps of recorded leases."""
     from ckptd.monitor.publication import read_leases
 
-    protected = {s for k in Kind if (s := parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[k]))))
-                 is not None}
+    pinned = {s for k in Kind if (s := parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[k]))))
+              is not None}
     for _, rec in read_leases(storage):  # a recorded lease pins its step until its monitor expires it
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            protected.add(rec["step"])
+            pinned.add(rec["step"])
+    return pinned
+
+
+def _past_policy(plan: GcPlan, storage: Storage, entries: dict[int, StepEntry], policy: RetentionPolicy,
+                 mirror: str | None, mirror_storage_options: dict | None) -> None:
+    protected = _pinned(storage)
     if mirror is not None:
         held = {s for s, e in scan_steps(Storage(mirror, mirror_storage_options)).items() if e.committed}
         protected |= {s for s, e in entries.items() if e.committed and s not in held}

@@ -22,6 +22,7 @@ from ckptd.gc import plan_gc, run_gc
 from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.events import EVENTS_DIR
+from ckptd.monitor.publication import LEASES
 from ckptd.monitor.retention import RetentionPolicy
 from ckptd.storage import Storage
 from ckptd.verify import verify
@@ -218,6 +219,14 @@ def test_gc_keeps_what_a_job_commits_between_plan_and_run(make_monitor, tmp_path
     policy = RetentionPolicy(1, 1)
     assert [g.path for g in plan_gc(root, policy=policy, min_idle_s=0).items if g.committed] == [name4]
     assert not plan_gc(root, policy=policy, min_idle_s=0, mirror=str(tmp_path / "mirror")).items
+    # A reader's lease on step 4 recorded between plan and run (a monitor came back and pinned it).
+    plan = plan_gc(root, policy=policy, min_idle_s=0)
+    leases = os.path.join(root, LEASES)
+    os.makedirs(leases, exist_ok=True)
+    with open(os.path.join(leases, "reader-1.json"), "w") as f:
+        f.write('{"lease": "reader-1", "subscriber": "s", "name": "n", "kind": "checkpoint", "step": 4}')
+    assert run_gc(plan) == []
+    verify(root, 4)
 
 
 def test_sigterm_before_the_first_save_and_again_during_the_final_save(make_monitor, tmp_path):

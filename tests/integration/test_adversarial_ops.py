@@ -323,3 +323,34 @@ def test_gc_forced_on_a_step_being_saved_fails_the_step_instead_of_committing_mi
     assert ckptd.latest_step(root) == 1
     _trackers_name_committed_steps(root)
     coord.close()  # the failure was reported by wait_committed
+
+
+def test_gc_on_an_object_store_removes_only_idle_leftovers(make_monitor, s3_root):
+    root, opts = s3_root
+    monitor = make_monitor(root, opts)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root, opts)
+
+    def put(rel: str, data: bytes = b"x" * 100) -> None:
+        storage.fs.pipe_file(storage.join(rel), data)
+
+    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_async("model", lambda: put("global_step_1/model.bin"), 1, is_state_dict=True)  # found by listing
+    coord.wait_committed(1, is_state_dict=True, timeout_s=30)
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+    # What a dead job left: the rest of step 1's checkpoint, an uncommitted step 2, a temp object.
+    for rel in ("global_step_1/optim.bin", "global_step_2/model.bin", "global_step_2/sub/x.bin",
+                ".ckptd-tmp-model.bin-0123456789ab"):
+        put(rel)
+    assert plan_gc(root, storage_options=opts).items == []  # just written: nothing is idle yet
+    plan = plan_gc(root, min_idle_s=0, storage_options=opts)
+    assert {g.path for g in plan.items} == {"global_step_1/optim.bin", "global_step_2",
+                                           ".ckptd-tmp-model.bin-0123456789ab"}
+    run_gc(plan, storage_options=opts)
+    files = set(storage.walk_files(storage.root))
+    assert {f for f in files if "/" in f and not f.startswith(".ckptd/")} == {
+        "global_step_1/model.bin", "global_step_1/ckptd_state_dict_manifest.json"}
+    assert not any(f.startswith(".ckptd-tmp-") for f in files)
+    verify(root, 1, kind="state_dict", storage_options=opts)
+    assert plan_gc(root, min_idle_s=0, storage_options=opts).items == []

@@ -33,6 +33,7 @@ from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_re
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.shared_root import PROBE_DIR
 from ckptd.storage import FileStat, Storage
+from ckptd.template import StepDirTemplate
 
 DEFAULT_MIN_IDLE_S = 600.0
 
@@ -74,7 +75,9 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
     storage = Storage(root, storage_options)
     now = time.time() if now is None else now
     plan = GcPlan(storage.url)
-    entries = scan_steps(storage, read_template(storage))
+    template = read_template(storage)
+    entries = scan_steps(storage, template)
+    _hidden_duplicates(plan, storage, template, entries, now, min_idle_s)
     for step, entry in sorted(entries.items()):
         files = storage.walk_files(storage.join(entry.name))
         if not entry.committed:
@@ -106,15 +109,28 @@ def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
     removed = []
     for item in plan.items:
         if item.committed:
+            if item.step in _pinned(storage):
+                continue  # a tracker or a reader's lease came to it since the plan was made: keep it
             delete_step(storage, StepEntry(item.step, item.path, frozenset(_kinds_of(storage, item.path))))
         else:
-            if item.step is not None and "/" not in item.path and _kinds_of(storage, item.path):
+            if item.step is not None and _committed_since(storage, item.path):
                 continue  # committed since the plan was made (a job came back): keep it
             storage.rm(storage.join(item.path))
         removed.append(item)
         if progress is not None:
             progress(item)
     return removed
+
+
+def _committed_since(storage: Storage, path: str) -> bool:
+    """Whether a leftover of a step (its directory, or a file in it) is committed now: the
+    directory has a manifest, or the file is listed by one (the step's full checkpoint committed
+    after the plan listed the file as the rest of a checkpoint that never committed)."""
+    name, _, rel = path.partition("/")
+    kinds = _kinds_of(storage, name)
+    if not rel or not kinds:
+        return bool(kinds)
+    return rel in _listed(storage, StepEntry(0, name, frozenset(kinds)))
 
 
 def _kinds_of(storage: Storage, name: str) -> set[Kind]:
@@ -160,6 +176,22 @@ def _internal_leftovers(plan: GcPlan, storage: Storage, now: float, min_idle_s: 
                          Garbage(name, "temp file of a write that never finished", st.size))
 
 
+def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate, entries: dict[int, StepEntry],
+                       now: float, min_idle_s: float) -> None:
+    """Uncommitted directories of a step that another directory holds (an epoch template, with a
+    crashed attempt left under another epoch): scan_steps shows one directory per step, so these
+    would never be collected."""
+    shown = {e.name for e in entries.values()}
+    for name in storage.listdir(storage.root):
+        step = template.parse(name)
+        if step is None or name in shown or _kinds_of(storage, name):
+            continue  # not a step directory, the one shown, or a second committed one (not ours to pick)
+        files = storage.walk_files(storage.join(name))
+        _add_if_idle(plan, storage, name, files, now, min_idle_s,
+                     Garbage(name, f"no manifest: a save that never committed (step {step} has another "
+                                   f"directory, {entries[step].name})", _size(files), step))
+
+
 def _listed(storage: Storage, entry: StepEntry) -> set[str]:
     listed: set[str] = set()
     for kind in entry.kinds:
@@ -169,15 +201,21 @@ def _listed(storage: Storage, entry: StepEntry) -> set[str]:
     return listed
 
 
-def _past_policy(plan: GcPlan, storage: Storage, entries: dict[int, StepEntry], policy: RetentionPolicy,
-                 mirror: str | None, mirror_storage_options: dict | None) -> None:
+def _pinned(storage: Storage) -> set[int]:
+    """Committed steps no policy may delete: the trackers' targets and the steps of recorded leases."""
     from ckptd.monitor.publication import read_leases
 
-    protected = {s for k in Kind if (s := parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[k]))))
-                 is not None}
+    pinned = {s for k in Kind if (s := parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[k]))))
+              is not None}
     for _, rec in read_leases(storage):  # a recorded lease pins its step until its monitor expires it
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            protected.add(rec["step"])
+            pinned.add(rec["step"])
+    return pinned
+
+
+def _past_policy(plan: GcPlan, storage: Storage, entries: dict[int, StepEntry], policy: RetentionPolicy,
+                 mirror: str | None, mirror_storage_options: dict | None) -> None:
+    protected = _pinned(storage)
     if mirror is not None:
         held = {s for s, e in scan_steps(Storage(mirror, mirror_storage_options)).items() if e.committed}
         protected |= {s for s, e in entries.items() if e.committed and s not in held}

@@ -105,17 +105,19 @@ def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
     for entry in timing.get("units") or []:
         try:
             unit = entry["unit"]
+            error = entry.get("error")
             out.append(Span(UNIT, int(unit["step"]), float(entry["start"]), float(entry["end"]),
                             worker=str(unit["worker"]), name=str(unit["name"]), kind=str(unit["kind"]),
                             admitted=None if entry.get("admitted") is None else float(entry["admitted"]),
-                            error=entry.get("error"), attempt=attempt))
-        except (KeyError, TypeError, ValueError) as e:
+                            # str: a span must stay JSON-writable, or every later flush would fail on it
+                            error=None if error is None else str(error), attempt=attempt))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed unit timing %r: %s", str(entry)[:200], e)
     for entry in timing.get("blocked") or []:
         try:
             out.append(Span(BLOCKED, int(entry["step"]), float(entry["start"]), float(entry["end"]),
                             worker=str(entry["worker"]), name=str(entry.get("what", "")), attempt=attempt))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed blocked timing %r: %s", str(entry)[:200], e)
     return out
 
@@ -204,6 +206,7 @@ class EventStore:
     _nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     _seq: int = 0
     _chunks: int | None = None  # chunk files since the newest snapshot, once known
+    _last_ms: int = 0  # names never go below this: the newest file's time, from any writer
 
     @property
     def directory(self) -> str:
@@ -211,7 +214,10 @@ class EventStore:
 
     def _name(self, snapshot: bool) -> str:
         self._seq += 1
-        return f"{int(time.time() * 1000):013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
+        # Never before an existing file: an earlier monitor of the run on a node whose clock ran
+        # ahead would otherwise leave the newest snapshot, and readers would ignore what follows.
+        self._last_ms = max(int(time.time() * 1000), self._last_ms)
+        return f"{self._last_ms:013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
 
     def _publish(self, spans: list[Span], snapshot: bool) -> str:
         body = {"format": FORMAT, "run": self.run, "snapshot": snapshot, "spans": [s.to_dict() for s in spans]}
@@ -228,7 +234,9 @@ class EventStore:
             OSError (or the backend's error): the write failed; nothing was deleted.
         """
         if self._chunks is None:
-            self._chunks = sum(n.endswith("-c.json") for n in _current_files(self.storage.listdir(self.directory)))
+            current = _current_files(self.storage.listdir(self.directory))
+            self._chunks = sum(n.endswith("-c.json") for n in current)
+            self._last_ms = max([self._last_ms] + [_ms_of(n) + 1 for n in current])
         if self._chunks < self.max_chunks:
             self._publish(new, snapshot=False)
             self._chunks += 1
@@ -241,6 +249,12 @@ class EventStore:
                     self.storage.rm(f"{self.directory}/{old}")
                 except OSError as e:  # a leftover is superseded anyway; the next snapshot retries
                     log.warning("could not remove superseded timeline file %s: %s", old, e)
+
+
+def _ms_of(name: str) -> int:
+    """The time in a file's name (0 for a name that has none)."""
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _current_files(names: list[str]) -> list[str]:
@@ -267,17 +281,20 @@ def read_events(storage: Storage, run: str) -> list[Span]:
         spans: list[Span] = []
         vanished = False
         for name in names:
-            text = storage.read_text_or_none(f"{directory}/{name}")
-            if text is None:
-                vanished = True
-                break
             try:
+                text = storage.read_text_or_none(f"{directory}/{name}")
+                if text is None:
+                    vanished = True
+                    break
                 body = json.loads(text)
-                if body.get("format") != FORMAT:
-                    raise ValueError(f"format {body.get('format')!r}, this ckptd reads {FORMAT}")
+                if not isinstance(body, dict) or body.get("format") != FORMAT:
+                    found = body.get("format") if isinstance(body, dict) else type(body).__name__
+                    raise ValueError(f"format {found!r}, this ckptd reads {FORMAT}")
                 spans += [Span.from_dict(d) for d in body["spans"]]
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("skipping unreadable timeline file %s: %s", name, e)
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+                # Damage from outside ckptd (a truncated or overwritten file, UnicodeDecodeError
+                # included): the file's spans are lost, the others are still drawn.
+                log.warning("skipping unreadable timeline file %s: %s: %s", name, type(e).__name__, e)
         if not vanished:
             return sorted(spans, key=lambda s: (s.step, s.start))
     raise OSError(f"the timeline files under {directory} kept changing while being read; try again")

@@ -38,7 +38,12 @@ class UnitReports:
         for event, unit, payload in events:
             self._notifications += 1
             self._recorder.notification(payload)
-            if event == "timing":  # spans only (what a worker measured after its last notification)
+            if event not in ("started", "finished", "failed"):
+                # "timing": spans only (what a worker measured after its last notification). Any
+                # other event is from a newer coordinator: skipped, so that the events batched
+                # with it (other units') still count; its unit, if any, is not parsed.
+                if event != "timing":
+                    log.error("ignoring unknown notification %r", event)
                 results.append(None)
                 continue
             uid = UnitId.from_dict(unit)
@@ -49,11 +54,8 @@ class UnitReports:
                 body = payload if isinstance(payload, dict) else {"files": payload}
                 results.append(await self._finished(uid, [FileEntry(**f) for f in body["files"]],
                                                     bool(body.get("found", False))))
-            elif event == "failed":
-                await self._failed(uid, UnitFailure(**payload))
-                results.append(None)
             else:
-                log.error("ignoring unknown notification %r", event)
+                await self._failed(uid, UnitFailure(**payload))
                 results.append(None)
         return results
 

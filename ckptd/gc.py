@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from ckptd.commit import TMP_PREFIX
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, TRACKERS, StepEntry, parse_tracker, read_template, scan_steps
-from ckptd.manifest import Manifest, is_internal
+from ckptd.layout import StepEntry, kinds_in, listed_files, read_template, read_tracker, scan_steps
+from ckptd.manifest import is_internal
 from ckptd.monitor.attempts import list_attempts
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
@@ -84,7 +84,7 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
             _add_if_idle(plan, storage, entry.name, files, now, min_idle_s,
                          Garbage(entry.name, "no manifest: a save that never committed", _size(files), step))
         elif Kind.CHECKPOINT not in entry.kinds:
-            listed = _listed(storage, entry)
+            listed = listed_files(storage, entry)
             for rel, st in files.items():
                 if rel not in listed and not is_internal(rel):
                     _add_if_idle(plan, storage, f"{entry.name}/{rel}", {rel: st}, now, min_idle_s,
@@ -111,7 +111,7 @@ def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
         if item.committed:
             if item.step in _pinned(storage):
                 continue  # a tracker or a reader's lease came to it since the plan was made: keep it
-            delete_step(storage, StepEntry(item.step, item.path, frozenset(_kinds_of(storage, item.path))))
+            delete_step(storage, StepEntry(item.step, item.path, kinds_in(storage, item.path)))
         else:
             if item.step is not None and _committed_since(storage, item.path):
                 continue  # committed since the plan was made (a job came back): keep it
@@ -127,15 +127,10 @@ def _committed_since(storage: Storage, path: str) -> bool:
     directory has a manifest, or the file is listed by one (the step's full checkpoint committed
     after the plan listed the file as the rest of a checkpoint that never committed)."""
     name, _, rel = path.partition("/")
-    kinds = _kinds_of(storage, name)
+    kinds = kinds_in(storage, name)
     if not rel or not kinds:
         return bool(kinds)
-    return rel in _listed(storage, StepEntry(0, name, frozenset(kinds)))
-
-
-def _kinds_of(storage: Storage, name: str) -> set[Kind]:
-    names = set(storage.listdir(storage.join(name)))
-    return {k for k in Kind if MANIFESTS[k] in names}
+    return rel in listed_files(storage, StepEntry(0, name, kinds))
 
 
 def _size(files: dict[str, FileStat]) -> int:
@@ -184,7 +179,7 @@ def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate
     shown = {e.name for e in entries.values()}
     for name in storage.listdir(storage.root):
         step = template.parse(name)
-        if step is None or name in shown or _kinds_of(storage, name):
+        if step is None or name in shown or kinds_in(storage, name):
             continue  # not a step directory, the one shown, or a second committed one (not ours to pick)
         files = storage.walk_files(storage.join(name))
         _add_if_idle(plan, storage, name, files, now, min_idle_s,
@@ -192,25 +187,11 @@ def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate
                                    f"directory, {entries[step].name})", _size(files), step))
 
 
-def _listed(storage: Storage, entry: StepEntry) -> set[str]:
-    listed: set[str] = set()
-    for kind in entry.kinds:
-        text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
-        if text is not None:
-            listed |= {f.path for f in Manifest.model_validate_json(text).files}
-    return listed
-
-
 def _pinned(storage: Storage) -> set[int]:
     """Committed steps no policy may delete: the trackers' targets and the steps of recorded leases."""
-    from ckptd.monitor.publication import read_leases
+    from ckptd.monitor.publication import leased_steps
 
-    pinned = {s for k in Kind if (s := parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[k]))))
-              is not None}
-    for _, rec in read_leases(storage):  # a recorded lease pins its step until its monitor expires it
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            pinned.add(rec["step"])
-    return pinned
+    return {s for k in Kind if (s := read_tracker(storage, k)) is not None} | leased_steps(storage)
 
 
 def _past_policy(plan: GcPlan, storage: Storage, entries: dict[int, StepEntry], policy: RetentionPolicy,

@@ -104,9 +104,22 @@ class StepEntry:
         return bool(self.kinds)
 
 
-def _kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
+def kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
+    """The kinds committed in the step directory ``name`` (those whose manifest it holds)."""
     names = set(storage.listdir(storage.join(name)))
     return frozenset(k for k in Kind if MANIFESTS[k] in names)
+
+
+def listed_files(storage: Storage, entry: StepEntry) -> set[str]:
+    """The step-relative paths the manifests of a step directory list."""
+    from ckptd.manifest import Manifest
+
+    listed: set[str] = set()
+    for kind in entry.kinds:
+        text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
+        if text is not None:
+            listed |= {f.path for f in Manifest.model_validate_json(text).files}
+    return listed
 
 
 def scan_steps(storage: Storage, template: StepDirTemplate | None = None) -> dict[int, StepEntry]:
@@ -121,7 +134,7 @@ def scan_steps(storage: Storage, template: StepDirTemplate | None = None) -> dic
         step = template.parse(name)
         if step is None:
             continue
-        entry = StepEntry(step, name, _kinds_in(storage, name))
+        entry = StepEntry(step, name, kinds_in(storage, name))
         other = found.get(step)
         if other is not None:
             log.warning("step %d has two directories, %s and %s", step, other.name, name)
@@ -142,7 +155,7 @@ def find_step_dir(storage: Storage, step: int, template: StepDirTemplate | None 
         return template.name(step)
     names = [n for n in storage.listdir(storage.root) if template.parse(n) == step]
     if len(names) > 1:
-        committed = [n for n in names if _kinds_in(storage, n)]
+        committed = [n for n in names if kinds_in(storage, n)]
         if len(committed) != 1:
             raise CheckpointError(
                 f"step {step} has several directories under {storage.url}: {sorted(names)}; "
@@ -184,7 +197,7 @@ def is_committed(storage: Storage, step: int, kind: Kind) -> bool:
 def manifests_of(storage: Storage, step: int, template: StepDirTemplate | None = None) -> frozenset[Kind]:
     """The kinds whose manifest step ``step`` has (empty if it has no directory)."""
     name = find_step_dir(storage, step, template)
-    return frozenset() if name is None else _kinds_in(storage, name)
+    return frozenset() if name is None else kinds_in(storage, name)
 
 
 def committed_steps(storage: Storage, kind: Kind) -> list[int]:

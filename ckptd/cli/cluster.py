@@ -1,9 +1,64 @@
-"""Asking the Ray cluster whether a root's monitor is live, for the commands that change a root
-(``gc``, ``retire``): a live monitor owns its root, and a step it is committing has no manifest yet."""
+"""How the commands reach a Ray cluster: connecting quietly, finding a run's monitor (``status``,
+``timeline``), and asking whether a root's monitor is live before changing the root (``gc``,
+``retire``): a live monitor owns its root, and a step it is committing has no manifest yet."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--namespace`` and ``--address``, for the commands that ask a run's monitor."""
+    parser.add_argument("--namespace", default=None, help=f"{prefix}the monitor's Ray namespace (default: found)")
+    parser.add_argument("--address", default="auto", help=f"{prefix}the Ray cluster to connect to (default: auto)")
+
+
+@contextmanager
+def connected(address: str, namespace: str | None = None) -> Iterator[None]:
+    """Ray connected to the cluster at ``address`` for the block, without Ray's log lines.
+
+    Raises:
+        ConnectionError: no Ray cluster there.
+    """
+    import ray
+
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR,
+             configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def monitor_of(run: str, namespace: str | None) -> Any:
+    """The actor handle of the run's monitor (on a connected Ray).
+
+    Raises:
+        CheckpointError: no monitor of that run.
+    """
+    from ckptd.monitor import get_monitor
+
+    return get_monitor(run, namespace_of(run, namespace))
+
+
+def namespace_of(run: str, namespace: str | None) -> str | None:
+    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
+    job that called ray.init() without a namespace runs in an anonymous one)."""
+    if namespace is not None:
+        return namespace
+    import ray
+
+    from ckptd.protocol import actor_name
+
+    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"] == actor_name(run)})
+    if len(found) > 1:
+        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
+    return found[0] if found else None
 
 
 def refuse_live_root(root: str, address: str, doing: str) -> None:
@@ -19,10 +74,7 @@ def refuse_live_root(root: str, address: str, doing: str) -> None:
         refuse_live(Storage(root), doing)
         return
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, configure_logging=False)
+        with connected(address):
+            refuse_live(Storage(root), doing)
     except ConnectionError:
         return
-    try:
-        refuse_live(Storage(root), doing)
-    finally:
-        ray.shutdown()

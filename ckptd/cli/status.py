@@ -14,6 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ckptd.cli.cluster import add_cluster_options
+
 EXAMPLES = """examples:
   ckptd status my-run                      the run's monitor, found in whichever namespace has it
   ckptd status my-run --namespace train    when several namespaces have a monitor of that name
@@ -33,55 +35,32 @@ def add_parser(sub: Any) -> None:
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     status.add_argument("run", nargs="?", default=None, help="the run name given to start_monitor")
     status.add_argument("--run", dest="run_opt", default=None, help=argparse.SUPPRESS)  # the 0.1 spelling
-    status.add_argument("--namespace", default=None, help="the monitor's Ray namespace (default: found)")
-    status.add_argument("--address", default="auto", help="the Ray cluster to connect to (default: auto)")
+    add_cluster_options(status)
     status.add_argument("--json", action="store_true", help="print the whole status as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
     import ray
 
+    from ckptd.cli.cluster import connected, monitor_of
     from ckptd.errors import CheckpointError
-    from ckptd.monitor import get_monitor
 
     name = args.run or args.run_opt or "default"
     try:
-        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
-                 configure_logging=False)
+        with connected(args.address, args.namespace):
+            status = ray.get(monitor_of(name, args.namespace).status.remote())
     except ConnectionError as e:
         print(f"FAILED: no Ray cluster at {args.address!r} ({e}); pass --address", file=sys.stderr)
         return 1
-    try:
-        status = ray.get(get_monitor(name, namespace_of(name, args.namespace)).status.remote())
     except CheckpointError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
-    finally:
-        ray.shutdown()
     if args.json:
         print(status.model_dump_json(indent=1))
         return 0
     console = Console(highlight=False, soft_wrap=True)  # soft wrap: a long line stays one line for grep
     console.print(*render(status, time.time()), sep="\n")
     return 0
-
-
-def namespace_of(run: str, namespace: str | None) -> str | None:
-    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
-    job that called ray.init() without a namespace runs in an anonymous one)."""
-    if namespace is not None:
-        return namespace
-    import ray
-
-    from ckptd.protocol import actor_name
-
-    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"] == actor_name(run)})
-    if len(found) > 1:
-        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
-    return found[0] if found else None
 
 
 def render(status: Any, now: float) -> list[Any]:

@@ -69,7 +69,8 @@ def _latest(args: argparse.Namespace) -> int:
 
 
 def _rows(root: str, mirror: str | None) -> list[dict]:
-    from ckptd.layout import LEDGER_DIR, scan_steps
+    from ckptd.layout import scan_steps
+    from ckptd.monitor.publication import leased_steps
     from ckptd.storage import Storage
     from ckptd.verify import open_step
 
@@ -77,14 +78,7 @@ def _rows(root: str, mirror: str | None) -> list[dict]:
     mirrored: set[int] = set()
     if mirror is not None:
         mirrored = {s for s, e in scan_steps(Storage(mirror)).items() if e.kinds}
-    pinned: set[int] = set()
-    leases = storage.join(LEDGER_DIR, "leases")
-    for name in storage.listdir(leases):
-        text = storage.read_text_or_none(f"{leases}/{name}")
-        try:
-            pinned.add(int(json.loads(text or "{}")["step"]))
-        except (KeyError, TypeError, ValueError):
-            continue
+    pinned = leased_steps(storage)
     rows = []
     for step, entry in sorted(scan_steps(storage).items()):
         if not entry.kinds:

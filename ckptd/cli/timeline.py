@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+from ckptd.cli.cluster import add_cluster_options
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -31,8 +33,7 @@ def add_parser(sub: Any) -> None:
                    help="the attempt (job) to draw when several jobs of the run used the root: a number, 'newest' "
                         "(the default) or 'all'")
     p.add_argument("--storage-options", default=None, type=json.loads, help="with a root: fsspec options as JSON")
-    p.add_argument("--namespace", default=None, help="with a run: the monitor's Ray namespace")
-    p.add_argument("--address", default="auto", help="with a run: the Ray cluster to connect to (default: auto)")
+    add_cluster_options(p, "with a run: ")
 
 
 def _is_root(args: argparse.Namespace) -> bool:
@@ -62,17 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace) -> tuple[str, list]:
-    import logging
-
-    import ray
-
-    from ckptd.cli.status import namespace_of
-    from ckptd.monitor import get_monitor
+    from ckptd.cli.cluster import connected, monitor_of
     from ckptd.timeline import spans_of_run
 
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR,
-             configure_logging=False)
-    try:
-        return spans_of_run(get_monitor(args.source, namespace_of(args.source, args.namespace)))
-    finally:
-        ray.shutdown()
+    with connected(args.address, args.namespace):
+        return spans_of_run(monitor_of(args.source, args.namespace))

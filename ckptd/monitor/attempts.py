@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from ckptd.commit import fsync_path, temp_name
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
-from ckptd.layout import LEDGER_DIR, MANIFESTS, scan_steps
-from ckptd.manifest import Manifest, is_internal
+from ckptd.layout import LEDGER_DIR, listed_files, scan_steps
+from ckptd.manifest import is_internal
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -159,11 +159,7 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
             storage.rm(path)
             removed.append(entry.name)
             continue
-        listed = set()
-        for kind in entry.kinds:
-            text = storage.read_text_or_none(f"{path}/{MANIFESTS[kind]}")
-            if text is not None:
-                listed |= {f.path for f in Manifest.model_validate_json(text).files}
+        listed = listed_files(storage, entry)
         for rel in storage.walk_files(path):
             if rel not in listed and not is_internal(rel):
                 storage.rm(f"{path}/{rel}")

@@ -58,6 +58,13 @@ def read_leases(storage: Storage) -> list[tuple[str, object]]:
     return out
 
 
+def leased_steps(storage: Storage) -> set[int]:
+    """The steps the lease records under the root pin (blocking I/O; for the command line, which
+    has no monitor to ask: a recorded lease pins its step until a monitor expires it)."""
+    return {rec["step"] for _, rec in read_leases(storage)
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int)}
+
+
 class Publication:
     def _restore_readers(self, entries: dict[int, StepEntry]) -> None:
         """Leases recorded by earlier monitors, and when the versions still on the root (the step

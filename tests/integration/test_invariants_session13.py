@@ -63,10 +63,17 @@ def _save(path: str, value: float) -> None:
 def test_failed_checkpoint_beside_a_committed_state_dict_stays_failed(make_monitor, tmp_path, run_name):
     """Attack on ``_counted_in_manifest`` (it reads every kind's manifest): the state dict of step 1
     commits, its full checkpoint fails; retried reports of the state-dict unit (listed in the state
-    dict's manifest) after a monitor restart, and a new job on the root, must not commit it."""
+    dict's manifest) after a monitor restart, and a new job on the root, must not commit it.
+    Step 3 fails by timeout (one of two registered units finished): its late unit is refused
+    after the restart, and the step stays failed."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
+    monitor = make_monitor(root, step_timeout_s=3)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    # Step 3 first, so that its timeout runs while step 1 is saved.
+    out3 = coord.step_dir(3)
+    os.makedirs(out3)
+    coord.register(3, checkpoint_thread_count=2)
+    coord.save_sync(lambda: _save(os.path.join(out3, "a.pt"), 1.0), 3)
     out = coord.step_dir(1)
     os.makedirs(out)
     coord.register(1, is_state_dict=True, state_dict_thread_count=1)
@@ -85,6 +92,11 @@ def test_failed_checkpoint_beside_a_committed_state_dict_stays_failed(make_monit
     coord.close()
     assert assert_trackers_verified(root) == {ckptd.Kind.STATE_DICT: 1, ckptd.Kind.CHECKPOINT: None}
 
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    with pytest.raises(ckptd.CheckpointSaveError, match="timed out"):  # the step timeout failed it
+        coord.wait_committed(3, timeout_s=60)
+    coord.close()
+
     sd_units = _units_of(os.path.join(out, MANIFESTS[ckptd.Kind.STATE_DICT]), "state_dict")
     assert len(sd_units) == 1
     _restart(monitor)
@@ -96,7 +108,12 @@ def test_failed_checkpoint_beside_a_committed_state_dict_stays_failed(make_monit
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_committed(1, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError):  # the timed-out step's missing unit, late
+        coord.save_sync(lambda: _save(os.path.join(out3, "b.pt"), 2.0), 3)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(3, timeout_s=30)
     coord.close()
+    assert not os.path.exists(os.path.join(out3, MANIFESTS[ckptd.Kind.CHECKPOINT]))
     assert not os.path.exists(os.path.join(out, MANIFESTS[ckptd.Kind.CHECKPOINT]))
     assert assert_trackers_verified(root) == {ckptd.Kind.STATE_DICT: 1, ckptd.Kind.CHECKPOINT: None}
 
@@ -106,10 +123,12 @@ def test_failed_checkpoint_beside_a_committed_state_dict_stays_failed(make_monit
     for unit, report in sd_units:
         ray.get(monitor2.notify_batch.remote([("finished", {**unit, "kind": "checkpoint"}, report)]), timeout=60)
     coord2 = ckptd.CheckpointCoordinator(monitor2, worker_id="w0")
-    with pytest.raises((ckptd.CheckpointError, TimeoutError)):
-        coord2.wait_committed(1, timeout_s=0)
+    for step in (1, 3):
+        with pytest.raises((ckptd.CheckpointError, TimeoutError)):
+            coord2.wait_committed(step, timeout_s=0)
     coord2.close()
     assert not os.path.exists(os.path.join(out, MANIFESTS[ckptd.Kind.CHECKPOINT]))
+    assert not os.path.exists(os.path.join(out3, MANIFESTS[ckptd.Kind.CHECKPOINT]))
     assert assert_trackers_verified(root)[ckptd.Kind.CHECKPOINT] is None
 
 

@@ -101,11 +101,14 @@ class UnitReports:
         return None if why is None else {"refused": why}
 
     def _counted_in_manifest(self, uid: UnitId, files: list[FileEntry]) -> bool:
-        """Whether a committed manifest of the unit's kind lists the unit, and every file it
-        reports with the same size and CRC-32 (blocking I/O).
+        """Whether a committed manifest of the unit's kind lists the unit and every file it
+        reports (blocking I/O).
 
-        A retried report is the same report, so it matches; a report that names the unit but
-        other content is not that retry (its files are in no manifest) and is refused.
+        A commit lists every file its units reported, so a retried report matches; a report
+        naming the unit and a file the manifest lacks is not that retry, and is refused.
+        NOTE: sizes and CRC-32s are not compared: two units may report one file (one found by
+        time saw an older version) and the commit keeps the report that matches storage, so a
+        counted unit's retried report may hold content the manifest does not list.
         """
         name = find_step_dir(self._storage, uid.step, self._template)
         if name is None:
@@ -126,8 +129,8 @@ class UnitReports:
                 continue
             if uid.key not in manifest.units:
                 continue
-            listed = {f.path: (f.size, f.crc32) for f in manifest.files}
-            if all(listed.get(f.path) == (f.size, f.crc32) for f in files):
+            listed = {f.path for f in manifest.files}
+            if all(f.path in listed for f in files):
                 return True
         return False
 

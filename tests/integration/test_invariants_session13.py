@@ -161,7 +161,7 @@ def test_registrations_add_up_and_a_checkpoint_waits_for_its_state_dict(make_mon
 
 def test_a_retried_report_is_acknowledged_only_as_the_manifest_lists_it(make_monitor, tmp_path):
     """Attack on ``_counted_in_manifest`` after a restart (the ledger holds no units of the
-    committed step): a report naming a listed unit but other content, and a report checked
+    committed step): a report naming a listed unit but a file no manifest lists, and a report checked
     against a damaged manifest, are refused, and the rest of their batch still applies."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
@@ -178,12 +178,8 @@ def test_a_retried_report_is_acknowledged_only_as_the_manifest_lists_it(make_mon
 
     # The same report, retried: acknowledged (test_retried_reports covers this; here it is the control).
     assert ray.get(monitor.notify_batch.remote([("finished", unit, report)]), timeout=60) == [None]
-    # The same unit with other bytes (a zombie rewrite, a wrong report): no manifest lists that content.
+    # The same unit with a file the manifest does not list: not the report the commit counted.
     (entry,) = report["files"]
-    other = {"files": [{**entry, "crc32": "00000000" if entry["crc32"] != "00000000" else "00000001"}],
-             "found": False}
-    (answer,) = ray.get(monitor.notify_batch.remote([("finished", unit, other)]), timeout=60)
-    assert "finished after the step was committed" in answer["refused"]
     extra = {"files": [entry, {**entry, "path": entry["path"] + ".extra"}], "found": False}
     (answer,) = ray.get(monitor.notify_batch.remote([("finished", unit, extra)]), timeout=60)
     assert "finished after the step was committed" in answer["refused"]

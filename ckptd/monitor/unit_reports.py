@@ -91,7 +91,7 @@ class UnitReports:
             await self._failed(uid, UnitFailure(unit=uid.label, error_type="CommittedFileChanged", message=why))
             return {"refused": why}
         rec, why = self._ledger.finish(uid, files, time.time(), found=found)
-        if why is not None and await self._in_thread(self._counted_in_manifest, uid):
+        if why is not None and await self._in_thread(self._counted_in_manifest, uid, files):
             # A retried report of a unit the commit counted: the monitor committed the step, then
             # restarted before its answer reached the worker (a rebuilt ledger does not hold the
             # units of committed checkpoints), or the step's record was pruned since.
@@ -100,14 +100,37 @@ class UnitReports:
             await self._after_change(rec)
         return None if why is None else {"refused": why}
 
-    def _counted_in_manifest(self, uid: UnitId) -> bool:
-        """Whether a committed manifest of the unit's step lists the unit (blocking I/O)."""
+    def _counted_in_manifest(self, uid: UnitId, files: list[FileEntry]) -> bool:
+        """Whether a committed manifest of the unit's kind lists the unit and every file it
+        reports (blocking I/O).
+
+        A commit lists every file its units reported, so a retried report matches; a report
+        naming the unit and a file the manifest lacks is not that retry, and is refused.
+        NOTE: sizes and CRC-32s are not compared: two units may report one file (one found by
+        time saw an older version) and the commit keeps the report that matches storage, so a
+        counted unit's retried report may hold content the manifest does not list.
+        """
         name = find_step_dir(self._storage, uid.step, self._template)
         if name is None:
             return False
-        for kind in Kind:
+        # A state-dict unit counts in the full checkpoint too; a checkpoint unit only there.
+        kinds = (Kind.CHECKPOINT,) if uid.kind is Kind.CHECKPOINT else tuple(Kind)
+        for kind in kinds:
             text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
-            if text is not None and uid.key in Manifest.model_validate_json(text).units:
+            if text is None:
+                continue
+            try:
+                manifest = Manifest.model_validate_json(text)
+            except ValueError as e:
+                # A damaged manifest cannot vouch for the unit: it is refused as late, and the
+                # rest of its batch (other units' reports) still applies.
+                log.error("step %s: unreadable %s while checking a retried report: %s",
+                          uid.step, MANIFESTS[kind], e)
+                continue
+            if uid.key not in manifest.units:
+                continue
+            listed = {f.path for f in manifest.files}
+            if all(f.path in listed for f in files):
                 return True
         return False
 

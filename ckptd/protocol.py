@@ -31,6 +31,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict
 
@@ -46,6 +47,11 @@ log = logging.getLogger(__name__)
 def actor_name(run: str) -> str:
     """The Ray actor name of the monitor of ``run``."""
     return f"ckptd-monitor-{run}"
+
+
+def relay_name(run: str, node_id: str) -> str:
+    """The Ray actor name of the notification relay of ``run`` on one node (``node_relay=True``)."""
+    return f"ckptd-relay-{run}-{node_id}"
 
 
 # -- ids -----------------------------------------------------------------------------------------
@@ -82,7 +88,7 @@ class UnitId:
         """How people name the unit: ``worker/name``."""
         return f"{self.worker}/{self.name}"
 
-    @property
+    @cached_property  # the ledger asks for it several times per notification
     def key(self) -> str:
         """How the ledger names the unit: ``worker/name#call``, unique across the run."""
         return f"{self.worker}/{self.name}#{self.call}"

@@ -48,14 +48,22 @@ class CommitFlow:
 
     async def _after_change(self, rec: StepRecord) -> None:
         """Start the commits the step is ready for; make new failures durable, then report them."""
+        self._after_change_sync(rec)
+        for kind in Kind:
+            if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
+                await self._record_failure(rec, kind)
+
+    def _after_change_sync(self, rec: StepRecord) -> bool:
+        """Start the commits the step is ready for; True if a new failure is left to record
+        (then await :meth:`_after_change`). No await on the common path: it runs for every
+        finished unit."""
         kinds = self._ledger.ready(rec)
         if kinds:
             self._ledger.begin_commit(rec, kinds, time.time())
             self._committing[rec.step] = asyncio.Event()
             self._spawn(self._commit(rec, kinds))
-        for kind in Kind:
-            if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
-                await self._record_failure(rec, kind)
+        return any(rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded
+                   for kind in Kind)
 
     async def durable(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage: only then
@@ -94,7 +102,7 @@ class CommitFlow:
         return CommitPlan(
             step=rec.step, kinds=kinds, reports=reports, sd_units=set(sd_units),
             units={SD: sd_units, Kind.CHECKPOINT: sorted(reports)},
-            take_unclaimed=Kind.CHECKPOINT in kinds or not rec.running((Kind.CHECKPOINT,)),
+            take_unclaimed=Kind.CHECKPOINT in kinds or not rec.has_running((Kind.CHECKPOINT,)),
             found={key for key, u in rec.units.items() if u.found},
             registered={k: rec[k].expected for k in Kind},
             registrations=sorted(rec.registrations),

@@ -21,90 +21,13 @@ These are Trinity-RFT's CheckpointMonitor semantics, made exact:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
-
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.manifest import FileEntry
+from ckptd.monitor.records import CKPT, SD, KindRecord, StepRecord, StepState, Tally, UnitRecord
 from ckptd.protocol import Registration, UnitFailure, UnitId
 
-SD, CKPT = Kind.STATE_DICT, Kind.CHECKPOINT
-
-
-class StepState(str, Enum):
-    PENDING = "pending"
-    COMMITTING = "committing"
-    COMMITTED = "committed"
-    FAILED = "failed"
-
-
-@dataclass
-class UnitRecord:
-    unit: UnitId
-    seen_at: float
-    files: list[FileEntry] | None = None  # set once finished
-    failure: UnitFailure | None = None
-    after_sd_commit: bool = False  # a state-dict unit that counts toward the full checkpoint only
-    found: bool = False  # its files were found by time (save_fn returned None): they may be another unit's
-
-    @property
-    def running(self) -> bool:
-        return self.files is None and self.failure is None
-
-
-@dataclass
-class KindRecord:
-    kind: Kind
-    expected: int = 0
-    monitored: bool = False
-    registered_at: float | None = None
-    state: StepState = StepState.PENDING
-    reason: str | None = None
-    failed_unit: str | None = None
-    ready_at: float | None = None
-    committed_at: float | None = None
-    committed_units: set[str] = field(default_factory=set)  # unit keys in the committed manifest
-    committed_files: dict[str, FileEntry] = field(default_factory=dict)  # what that manifest lists
-    deferred: bool = False  # a commit waits for the other kind's running units (see the commit path)
-
-    @property
-    def settled(self) -> bool:
-        return self.state in (StepState.COMMITTED, StepState.FAILED)
-
-
-@dataclass
-class StepRecord:
-    step: int
-    first_seen: float
-    kinds: dict[Kind, KindRecord] = field(default_factory=lambda: {k: KindRecord(k) for k in Kind})
-    units: dict[str, UnitRecord] = field(default_factory=dict)
-    registrations: set[str] = field(default_factory=set)
-    last_unit_at: float | None = None
-
-    def __getitem__(self, kind: Kind) -> KindRecord:
-        return self.kinds[kind]
-
-    def active(self, kind: Kind) -> bool:
-        """Whether the kind has anything to report: registrations, units or an outcome."""
-        k = self.kinds[kind]
-        return k.expected > 0 or k.monitored or k.state is not StepState.PENDING or any(
-            u.unit.kind is kind for u in self.units.values())
-
-    def counted(self, kind: Kind) -> list[UnitRecord]:
-        """Units that count toward ``kind``: the state dict counts only units admitted before its
-        commit; the checkpoint counts every unit of the step."""
-        if kind is SD:
-            return [u for u in self.units.values() if u.unit.kind is SD and not u.after_sd_commit]
-        return list(self.units.values())
-
-    def running(self, kinds: tuple[Kind, ...] = (SD, CKPT)) -> list[UnitRecord]:
-        return [u for u in self.units.values() if u.running and u.unit.kind in kinds]
-
-    def finished(self, kind: Kind) -> dict[str, list[FileEntry]]:
-        """Unit key -> files, of every finished unit of ``kind`` (after-commit ones included)."""
-        return {key: u.files for key, u in self.units.items() if u.unit.kind is kind and u.files is not None}
-
+__all__ = ["CKPT", "SD", "KindRecord", "StepLedger", "StepRecord", "StepState", "Tally", "UnitRecord"]
 
 class StepLedger:
     """Per step: registrations, units and the state of each kind.
@@ -242,7 +165,8 @@ class StepLedger:
         if u is None:
             after = (unit.kind is SD and rec[SD].state in (StepState.COMMITTING, StepState.COMMITTED)
                      and unit.key not in rec[SD].committed_units)
-            u = rec.units[unit.key] = UnitRecord(unit, now, after_sd_commit=after)
+            u = UnitRecord(unit, now, after_sd_commit=after)
+            rec.add_unit(u)
         rec.last_unit_at = now
         return rec, u
 
@@ -258,14 +182,14 @@ class StepLedger:
                           "as a checkpoint, so its files are in no manifest; register every unit of a "
                           "step before it commits, or save into a new step")
         rec, u = self._unit(unit, now)
-        u.files, u.found = list(files), found
+        rec.set_finished(u, files, found)
         return rec, None
 
     def fail(self, unit: UnitId, failure: UnitFailure, now: float) -> StepRecord:
         rec, u = self._unit(unit, now)
         if u.failure is not None or u.files is not None:
             return rec  # a retried notification, or a late duplicate of a unit that finished
-        u.failure = failure
+        rec.set_failed(u, failure)
         cause = failure.cause
         if unit.kind is SD and not u.after_sd_commit:
             self.fail_kind(rec, SD, cause, unit.label)
@@ -290,23 +214,19 @@ class StepLedger:
     # -- the commit rule -----------------------------------------------------------------------
 
     def ready(self, rec: StepRecord) -> list[Kind]:
-        """The kinds of ``rec`` that may be committed now (state dict first)."""
+        """The kinds of ``rec`` that may be committed now (state dict first). O(1): it runs on
+        every notification, so it reads the step's tallies, never its units."""
         out = []
         sd, ck = rec[SD], rec[CKPT]
         if (sd.state is StepState.PENDING and (sd.monitored or ck.monitored) and sd.expected > 0
-                and self._complete(rec.counted(SD), sd.expected) and not (sd.deferred and rec.running((CKPT,)))):
+                and rec.counted_sd.complete(sd.expected) and not (sd.deferred and rec.has_running((CKPT,)))):
             out.append(SD)
         sd_done = sd.state is StepState.COMMITTED or SD in out or sd.expected == 0
         if (ck.state is StepState.PENDING and ck.monitored and sd.expected + ck.expected > 0 and sd_done
                 and sd.state is not StepState.FAILED
-                and self._complete([u for u in rec.units.values() if u.unit.kind is SD], sd.expected)
-                and self._complete([u for u in rec.units.values() if u.unit.kind is CKPT], ck.expected)):
+                and rec.tallies[SD].complete(sd.expected) and rec.tallies[CKPT].complete(ck.expected)):
             out.append(CKPT)
         return out
-
-    @staticmethod
-    def _complete(units: list[UnitRecord], expected: int) -> bool:
-        return len(units) == expected and all(u.files is not None for u in units)
 
     def begin_commit(self, rec: StepRecord, kinds: list[Kind], now: float) -> None:
         for kind in kinds:
@@ -375,23 +295,23 @@ class StepLedger:
                 if k.settled or not rec.active(kind):
                     continue
                 asked = k.monitored or (kind is SD and rec[CKPT].monitored)
-                mine = [u for u in rec.units.values() if u.unit.kind is kind]
-                if mine and (not asked or k.expected == 0) and rec.last_unit_at is not None \
-                        and now - min(u.seen_at for u in mine) >= self.unregistered_warning_s:
-                    out.append(f"step {rec.step} ({kind.value}): {len(mine)} units saved but the step is not "
+                mine = rec.tallies[kind]
+                if mine.total and (not asked or k.expected == 0) and rec.last_unit_at is not None \
+                        and now - mine.first_seen >= self.unregistered_warning_s:
+                    out.append(f"step {rec.step} ({kind.value}): {mine.total} units saved but the step is not "
                                f"registered for this kind: {self.describe(rec, kind)}")
-                elif k.expected > 0 and not mine and k.registered_at is not None \
+                elif k.expected > 0 and not mine.total and k.registered_at is not None \
                         and now - k.registered_at >= self.unregistered_warning_s:
                     out.append(f"step {rec.step} ({kind.value}): {k.expected} units registered but none has "
                                "started; check is_state_dict of the saves and of the registration")
-                elif asked and len(rec.counted(kind) if kind is SD else mine) > k.expected > 0:
+                elif asked and (rec.counted_sd if kind is SD else mine).total > k.expected > 0:
                     out.append(f"step {rec.step} ({kind.value}): {self.describe(rec, kind)}")
         return out
 
     def prune(self, keep: int) -> None:
         """Drop the details of all but the newest ``keep`` settled steps."""
         done = [r for r in self._records.values()
-                if all(r[k].settled or not r.active(k) for k in Kind) and not r.running()]
+                if all(r[k].settled or not r.active(k) for k in Kind) and not r.has_running()]
         done.sort(key=lambda r: r.step)
         for rec in done[: max(0, len(done) - keep)]:
             del self._records[rec.step]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import random
 
 import pytest
 
@@ -236,3 +238,70 @@ def test_pruned_steps_still_answer(ledger):
     assert [r.step for r in ledger.records()] == [3, 4]
     assert ledger.is_committed(0, CKPT)
     assert ledger.admit(unit(0), 0.0) is not None
+
+
+def _scanned_ready(ledger: StepLedger, rec) -> list[Kind]:
+    """The commit rule computed the slow way, from the units themselves (the reference the
+    tallies must agree with)."""
+    def complete(units, expected):
+        return len(units) == expected and all(u.files is not None for u in units)
+
+    out = []
+    sd, ck = rec[SD], rec[CKPT]
+    ck_running = any(u.running for u in rec.units.values() if u.unit.kind is CKPT)
+    if (sd.state is StepState.PENDING and (sd.monitored or ck.monitored) and sd.expected > 0
+            and complete(rec.counted(SD), sd.expected) and not (sd.deferred and ck_running)):
+        out.append(SD)
+    sd_done = sd.state is StepState.COMMITTED or SD in out or sd.expected == 0
+    if (ck.state is StepState.PENDING and ck.monitored and sd.expected + ck.expected > 0 and sd_done
+            and sd.state is not StepState.FAILED
+            and complete([u for u in rec.units.values() if u.unit.kind is SD], sd.expected)
+            and complete([u for u in rec.units.values() if u.unit.kind is CKPT], ck.expected)):
+        out.append(CKPT)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_commit_rule_reads_tallies_that_always_agree_with_the_units(seed):
+    """ready() runs on every notification and must not scan a step's units (40,000 at 10,000
+    ranks x 4). Its per-step tallies must say what a scan would, after any sequence of
+    registrations, admissions, finishes, failures, duplicates and commits."""
+    rnd = random.Random(seed)
+    ledger = StepLedger(step_timeout_s=1e9, unregistered_warning_s=1e9)
+    units: list[UnitId] = []
+    for _ in range(120):
+        op = rnd.random()
+        if op < 0.15:
+            with contextlib.suppress(CheckpointConfigError):  # refused: nothing changes
+                ledger.register(reg(1, sd=rnd.randint(0, 2), ckpt=rnd.randint(0, 2),
+                                    monitored=rnd.choice([SD, CKPT])))
+        elif op < 0.45:
+            u = unit(1, rnd.choice([SD, CKPT]), f"n{len(units)}")
+            if ledger.admit(u, 0.0) is None:
+                units.append(u)
+        elif op < 0.75 and units:
+            u = rnd.choice(units)  # a duplicate now and then: it counts once
+            ledger.finish(u, files(u.key), 0.0)
+        elif op < 0.80 and units:
+            u = rnd.choice(units)
+            ledger.fail(u, UnitFailure(unit=u.label, error_type="OSError", message="disk full"), 0.0)
+        rec = ledger.get(1)
+        if rec is None:
+            continue
+        for kind in Kind:
+            mine = [u for u in rec.units.values() if u.unit.kind is kind]
+            t = rec.tallies[kind]
+            assert (t.total, t.finished, t.failed) == (
+                len(mine), sum(u.files is not None for u in mine), sum(u.failure is not None for u in mine))
+            assert rec.active(kind) == (rec[kind].expected > 0 or rec[kind].monitored
+                                        or rec[kind].state is not StepState.PENDING or bool(mine))
+        counted = rec.counted(SD)
+        assert (rec.counted_sd.total, rec.counted_sd.finished) == (
+            len(counted), sum(u.files is not None for u in counted))
+        expected = _scanned_ready(ledger, rec)
+        assert ledger.ready(rec) == expected
+        if expected and rnd.random() < 0.5:  # commit what is ready; later units come after it
+            ledger.begin_commit(rec, expected, 0.0)
+            for kind in expected:
+                keys = [u.unit.key for u in rec.counted(kind) if u.files is not None]
+                ledger.commit_done(rec, kind, 0.0, keys, [])

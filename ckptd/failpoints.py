@@ -27,6 +27,8 @@ from ckptd.errors import FailpointError
 #: Every failpoint ckptd has, and where it sits.
 FAILPOINTS: dict[str, str] = {
     "after_unit_write": "worker: save_fn returned and files were checksummed, before the receipt",
+    "relay_before_forward": "node relay: a batch of notifications arrived, before it is sent to the monitor",
+    "relay_after_forward": "node relay: the monitor applied a batch, before its answers go back",
     "before_manifest": "monitor: a step is complete, before its manifest is written",
     "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
     "after_publish": "monitor: a manifest or tracker was published, then its publish raised (outcome uncertain)",

@@ -7,7 +7,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -16,7 +17,29 @@ from ckptd.coordinator.notifier import Notifier
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import actor_name
 
+if TYPE_CHECKING:
+    from ckptd.coordinator.relay import RelayRoute
+
 log = logging.getLogger("ckptd.coordinator")
+
+# One notifier per monitor and route in a process: the coordinators that a process hosts (a
+# simulator, or an actor that drives several workers) batch their notifications together.
+_notifiers: weakref.WeakValueDictionary[tuple, Notifier] = weakref.WeakValueDictionary()
+_notifiers_lock = threading.Lock()
+
+
+def _shared_notifier(client: MonitorClient) -> Notifier:
+    actor_id = getattr(client._handle, "_actor_id", None)
+    if actor_id is None:
+        return Notifier(client.send_batch)
+    key = (actor_id.hex(), client._relay is not None, client._timeout_s)
+    with _notifiers_lock:
+        notifier = _notifiers.get(key)
+        if notifier is None:
+            # The first client's send serves the others: they reach the same monitor, and each
+            # would retry (and re-find a restarted monitor) alike.
+            notifier = _notifiers[key] = Notifier(client.send_batch)
+        return notifier
 
 
 class MonitorClient:
@@ -37,6 +60,7 @@ class MonitorClient:
         self._namespace: str | None = None
         self._lock = threading.Lock()
         self._notifier: Notifier | None = None
+        self._relay: RelayRoute | None = None
         self.metrics = RunMetrics(None)
 
     def bind(self, run: str, namespace: str | None) -> None:
@@ -73,18 +97,36 @@ class MonitorClient:
                 delay = min(delay * 2, 5.0)
                 self._reattach()
 
+    def use_relay(self, node_id: str) -> None:
+        """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``)
+        from now on; needs :meth:`bind` first."""
+        from ckptd.coordinator.relay import RelayRoute  # the relay imports this module
+
+        assert self._run is not None, "bind() first"
+        self._relay = RelayRoute(self._run, self._namespace, node_id, self._timeout_s, self.metrics)
+
     def notify(self, event: tuple) -> Any:
-        """Deliver one notification (batched with those of other save threads); its answer."""
+        """Deliver one notification (batched with those of this process's other save threads,
+        of every coordinator of the run in it); its answer."""
         with self._lock:
             if self._notifier is None:
-                self._notifier = Notifier(lambda events: self.call("notify_batch", events))
+                self._notifier = _shared_notifier(self)
             notifier = self._notifier
         return notifier.deliver(event)
+
+    def send_batch(self, events: list) -> list:
+        """Deliver events now, retrying until the monitor applied them; one answer each."""
+        if self._relay is not None:
+            return self._relay.send(events)
+        return self.call("notify_batch", events)
 
     def post_quietly(self, event: tuple) -> None:
         """Submit one notification without waiting for it or retrying it (observability data
         only: its loss costs a bar in ``ckptd timeline``, never a save)."""
-        self._handle.notify_batch.remote([event])
+        if self._relay is not None:
+            self._relay.post([event])
+        else:
+            self._handle.notify_batch.remote([event])
 
     def _reattach(self) -> None:
         if self._run is None:

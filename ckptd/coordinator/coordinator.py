@@ -101,6 +101,8 @@ class CheckpointCoordinator(TrainerCalls):
         self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),
                                   "worker_id")
         node = ctx.get_node_id()
+        if cfg["options"].get("node_relay"):
+            self._client.use_relay(node)
         self._outbox = protocol.TimingOutbox()
         self._runner = UnitRunner(self._client, self._storage, self._template, self._attempt,
                                   SaveStrategy(cfg["save_strategy"]), float(cfg["slot_lease_s"]), node,

@@ -1,0 +1,202 @@
+"""A node's notification relay: one actor per node and run that forwards the notifications of
+that node's coordinators to the monitor in batches (``start_monitor(node_relay=True)``).
+
+Without it, every coordinator sends its own calls: at 10,000 ranks that is tens of thousands of
+monitor calls per step, and the monitor, one process, pays Ray's cost of each. Through a relay the
+monitor receives one call per node per batch instead.
+
+What the relay may not do is lose a notification or answer for the monitor. So it holds nothing:
+a coordinator's call returns only with the monitor's own answers to its events, after the monitor
+applied them. A relay that dies mid-batch (its node's process that created it ended, or it was
+killed) fails the calls of that batch; each coordinator sends its events again, through a new
+relay, and the monitor, which counts every unit once by its id, applies a retried event as it
+applied the first (see :mod:`ckptd.monitor.unit_reports`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ckptd import failpoints
+from ckptd.coordinator.client import MonitorClient
+from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
+from ckptd.protocol import actor_name, relay_name
+
+log = logging.getLogger("ckptd.coordinator")
+
+#: The most events one forwarded call carries (a bound on the message, not on throughput).
+MAX_BATCH = 20_000
+
+
+class GroupSender:
+    """Sends batches of events with one call in flight; what arrives meanwhile goes together.
+
+    The asyncio twin of :class:`~ckptd.coordinator.notifier.Notifier`: a lone submission is sent
+    at once, and submissions that arrive while a call is in flight are merged into the next
+    call, so the batch grows with the load and a quiet relay adds no delay.
+
+    Args:
+        send: Delivers a list of events and returns one result per event, in order.
+        max_batch: Submissions are merged up to this many events (a larger one goes alone).
+    """
+
+    def __init__(self, send: Callable[[list], Awaitable[list]], max_batch: int = MAX_BATCH) -> None:
+        self._send = send
+        self._max_batch = max_batch
+        self._queue: deque[tuple[list, asyncio.Future]] = deque()
+        self._drainer: asyncio.Task | None = None
+
+    async def submit(self, events: list) -> list:
+        """Deliver ``events``; their results once the call that carried them returned, or what
+        that call raised."""
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((events, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.ensure_future(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch = [self._queue.popleft()]
+            size = len(batch[0][0])
+            while self._queue and size + len(self._queue[0][0]) <= self._max_batch:
+                batch.append(self._queue.popleft())
+                size += len(batch[-1][0])
+            try:
+                results = await self._send([e for events, _ in batch for e in events])
+                if len(results) != size:
+                    raise RuntimeError(f"the monitor answered {len(results)} of {size} notifications")
+            except BaseException as e:  # every waiter of the batch gets it, and may send again
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            at = 0
+            for events, future in batch:
+                if not future.done():
+                    future.set_result(results[at:at + len(events)])
+                at += len(events)
+
+
+class RelayCore:
+    """What a relay does, without the actor around it (a load generator hosts many of these in
+    one process to stand for many nodes): forward batches to the monitor, retrying while it is
+    unreachable or restarting.
+
+    Args:
+        run, namespace: The monitor to forward to (found by name, again after it restarts).
+        timeout_s: How long a batch is retried while the monitor is unreachable.
+    """
+
+    def __init__(self, run: str, namespace: str | None, timeout_s: float) -> None:
+        self._client = MonitorClient(ray.get_actor(actor_name(run), namespace=namespace), timeout_s)
+        self._client.bind(run, namespace)
+        self._sender = GroupSender(self._forward)
+        self.forwarded = 0  # events
+        self.calls = 0  # monitor calls
+
+    async def _forward(self, events: list) -> list:
+        failpoints.hit("relay_before_forward")
+        results = await self._client.call_async("notify_batch", events)
+        failpoints.hit("relay_after_forward")
+        self.forwarded += len(events)
+        self.calls += 1
+        return results
+
+    async def relay(self, events: list) -> list:
+        """Forward ``events`` (one coordinator's batch) to the monitor; its answers to them."""
+        return await self._sender.submit(events)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class NodeRelay:
+    """The relay actor of one node and run (started by the node's first coordinator; see
+    :class:`RelayCore` for the arguments)."""
+
+    def __init__(self, run: str, namespace: str | None, timeout_s: float) -> None:
+        self._core = RelayCore(run, namespace, timeout_s)
+
+    async def relay(self, events: list) -> list:
+        return await self._core.relay(events)
+
+    async def post(self, events: list) -> None:
+        """Forward ``events`` without an answer (timing data only: losing it costs no save)."""
+        try:
+            await self._core.relay(events)
+        except Exception as e:
+            log.warning("could not forward timing data to the monitor: %s", e)
+
+    async def stats(self) -> dict:
+        return {"forwarded": self._core.forwarded, "calls": self._core.calls, "pid": os.getpid()}
+
+
+def node_relay(run: str, namespace: str | None, node_id: str, timeout_s: float) -> Any:
+    """The relay of ``run`` on ``node_id``: the running one, or a new one started there.
+
+    The relay is owned by the process that started it and ends with it; the node's other
+    coordinators then start another (see :class:`~ckptd.coordinator.client.MonitorClient`).
+    Failpoints armed through the environment reach it too.
+    """
+    env = {k: os.environ[k] for k in (failpoints.ENV_VAR, failpoints.ONCE_ENV_VAR) if k in os.environ}
+    return NodeRelay.options(
+        name=relay_name(run, node_id), namespace=namespace, get_if_exists=True, max_concurrency=4096,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": env} if env else None,
+    ).remote(run, namespace, timeout_s)
+
+
+class RelayRoute:
+    """A coordinator's way to the monitor through its node's relay.
+
+    A call that fails because the relay is gone (or could not reach the monitor) is sent again
+    through the node's relay, started anew if need be, until ``timeout_s`` has passed: the
+    monitor answers a retried event as it answered the first.
+    """
+
+    def __init__(self, run: str, namespace: str | None, node_id: str, timeout_s: float,
+                 metrics: RunMetrics) -> None:
+        self._run, self._namespace, self._node_id = run, namespace, node_id
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._handle: Any = None
+
+    def _relay(self) -> Any:
+        with self._lock:
+            if self._handle is None:
+                self._handle = node_relay(self._run, self._namespace, self._node_id, self._timeout_s)
+            return self._handle
+
+    def send(self, events: list) -> list:
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.05
+        while True:
+            handle = self._relay()
+            try:
+                return ray.get(handle.relay.remote(events))
+            except RayActorError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("the node relay of run %s failed (%s); sending again", self._run, type(e).__name__)
+                self._metrics.inc(RETRIED_REQUESTS, request="relay_call")
+                with self._lock:
+                    if self._handle is handle:
+                        self._handle = None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def post(self, events: list) -> None:
+        self._relay().post.remote(events)

@@ -1,0 +1,101 @@
+"""The node relay (``start_monitor(node_relay=True)``): coordinators' notifications go through one
+actor per node, in batches, and a relay that dies mid-batch loses nothing and counts nothing twice."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+import ckptd
+from ckptd.layout import MANIFESTS
+from ckptd.manifest import Manifest
+from ckptd.protocol import relay_name
+
+from .helpers import status, wait_all
+
+WORKERS, UNITS = 3, 2
+
+
+def _writer(path: str):
+    def save() -> list[str]:
+        torch.save({"w": torch.ones(2)}, path)
+        return [path]
+
+    return save
+
+
+def _save_step(coords: list[ckptd.CheckpointCoordinator], step: int) -> None:
+    """Every coordinator saves UNITS files of ``step``; the step is registered first."""
+    coords[0].register(step, checkpoint_thread_count=len(coords) * UNITS)
+    out = coords[0].step_dir(step)
+    os.makedirs(out, exist_ok=True)
+    for coord in coords:
+        for u in range(UNITS):
+            coord.save_async(f"u{u}", _writer(os.path.join(out, f"{coord.worker_id}-{u}.pt")), step)
+
+
+def _manifest_units(root: str, step: int) -> list[str]:
+    with open(os.path.join(root, f"global_step_{step}", MANIFESTS[ckptd.Kind.CHECKPOINT])) as f:
+        return sorted(Manifest.model_validate_json(f.read()).units)
+
+
+def _relay(run: str):
+    node = ray.get_runtime_context().get_node_id()
+    return ray.get_actor(relay_name(run, node))
+
+
+def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_monitor, tmp_path, run_name):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{i}") for i in range(WORKERS)]
+    _save_step(coords, 1)
+    for coord in coords:
+        assert wait_all(coord) is None
+    coords[0].wait_committed(1, timeout_s=60)
+    assert len(_manifest_units(root, 1)) == WORKERS * UNITS
+    # Every started and finished notification reached the monitor through the relay.
+    assert ray.get(_relay(run_name).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
+
+    # The monitor's refusal comes back through the relay: step 1 is committed.
+    coords[1].save_async("late", lambda: None, 1)
+    error = wait_all(coords[1])
+    assert error is not None and "already committed" in error
+    for coord in coords:
+        coord.close()
+
+
+@pytest.mark.parametrize("failpoint", ["relay_before_forward", "relay_after_forward"])
+def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_monitor, tmp_path, run_name,
+                                                                         monkeypatch, failpoint):
+    """The relay process ends (os._exit, as a SIGKILL would) with a batch of notifications in hand:
+    before forwarding it, or after the monitor applied it but before the answers went back. The
+    coordinators send again through a new relay; the step commits with every unit exactly once."""
+    once = tmp_path / "once"
+    monkeypatch.setenv("CKPTD_FAILPOINTS", f"{failpoint}=crash")  # reaches the relay it starts
+    monkeypatch.setenv("CKPTD_FAILPOINTS_ONCE", str(once))
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{i}") for i in range(WORKERS)]
+    _save_step(coords, 1)
+    for coord in coords:
+        assert wait_all(coord) is None
+    coords[0].wait_committed(1, timeout_s=60)
+    assert (once / failpoint).exists(), "the relay never crashed: the test injected nothing"
+    units = _manifest_units(root, 1)
+    assert len(units) == len(set(units)) == WORKERS * UNITS
+    assert {u.split("#")[0] for u in units} == {f"w{i}/u{u}" for i in range(WORKERS) for u in range(UNITS)}
+    if failpoint == "relay_after_forward":
+        # The monitor had applied the lost batch: what it received again was a retry, counted once.
+        assert status(monitor).notifications > 2 * WORKERS * UNITS
+
+    # The next step goes through the relay that replaced it.
+    _save_step(coords, 2)
+    for coord in coords:
+        assert wait_all(coord) is None
+    coords[0].wait_committed(2, timeout_s=60)
+    assert len(_manifest_units(root, 2)) == WORKERS * UNITS
+    for coord in coords:
+        coord.close()

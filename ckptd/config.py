@@ -154,6 +154,10 @@ class MonitorOptions(RetentionLimits):
             one per coordinator. Turn it on past a few hundred workers; it adds one local hop
             (about a millisecond) to each notification. A relay holds nothing: one that dies
             costs a retry, never a notification (see :mod:`ckptd.coordinator.relay`).
+        relay_zones: With ``node_relay``: node relays send through this many zone relays (a
+            node picks one by its id), which send to the monitor, so that the monitor receives
+            a few large batches instead of one call per node: for thousands of nodes (about the
+            square root of the node count). 0 sends straight to the monitor.
 
     NOTE: retention deletes whole step directories, and only committed steps older than the
     newest commit. The tracker targets and steps still being saved are never deleted.
@@ -177,6 +181,7 @@ class MonitorOptions(RetentionLimits):
     timeline_steps: int = Field(default=1000)
     timeline_flush_s: float = Field(default=2.0)
     node_relay: bool = False
+    relay_zones: int = Field(default=0)
 
     @field_validator("step_dir_template")
     @classmethod
@@ -202,6 +207,19 @@ class MonitorOptions(RetentionLimits):
         if v < 0:
             raise ValueError(f"commit_retries must be >= 0 (0 means no retry), got {v}")
         return v
+
+    @field_validator("relay_zones")
+    @classmethod
+    def _zones(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"relay_zones must be >= 0 (0: node relays send to the monitor), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _zones_need_relays(self) -> MonitorOptions:
+        if self.relay_zones and not self.node_relay:
+            raise ValueError("relay_zones needs node_relay=True: zone relays forward what node relays send")
+        return self
 
     @field_validator("status_history", "timeline_steps")
     @classmethod

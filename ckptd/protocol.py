@@ -31,7 +31,6 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict
 
@@ -82,16 +81,17 @@ class UnitId:
     step: int
     kind: Kind
     call: str
+    #: How the ledger names the unit: ``worker/name#call``, unique across the run (computed once:
+    #: the monitor asks for it several times per notification).
+    key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.worker}/{self.name}#{self.call}")
 
     @property
     def label(self) -> str:
         """How people name the unit: ``worker/name``."""
         return f"{self.worker}/{self.name}"
-
-    @cached_property  # the ledger asks for it several times per notification
-    def key(self) -> str:
-        """How the ledger names the unit: ``worker/name#call``, unique across the run."""
-        return f"{self.worker}/{self.name}#{self.call}"
 
     def to_dict(self) -> dict:
         return {"worker": self.worker, "name": self.name, "step": self.step, "kind": self.kind.value,

@@ -156,15 +156,7 @@ class Storage:
         """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``)."""
         out: dict[str, FileStat] = {}
         if self.is_posix:
-            for dirpath, _dirs, files in os.walk(path):
-                for name in files:
-                    full = os.path.join(dirpath, name)
-                    try:
-                        st = os.stat(full)
-                    except FileNotFoundError:  # removed while we walked (a temp file, say)
-                        continue
-                    rel = os.path.relpath(full, path).replace(os.sep, "/")
-                    out[rel] = FileStat(st.st_size, st.st_mtime_ns)
+            _scan_posix(path, "", out)
             return out
         try:
             found = self.fs.find(path, detail=True)
@@ -199,3 +191,25 @@ def _mtime_ns(info: dict) -> int | None:
         if isinstance(value, (int, float)):
             return int(value * 1e9)
     return None
+
+
+def _scan_posix(path: str, rel: str, out: dict[str, FileStat]) -> None:
+    """walk_files on POSIX: os.walk's view (symlinked directories are not entered; a symlinked
+    file counts as its target), with names built by concatenation: a commit walks every file
+    of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would double the time."""
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        name = rel + entry.name
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _scan_posix(entry.path, name + "/", out)
+                continue
+            if entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
+                continue
+            st = entry.stat()
+        except FileNotFoundError:  # removed while we walked (a temp file, say)
+            continue
+        out[name] = FileStat(st.st_size, st.st_mtime_ns)

@@ -97,13 +97,13 @@ class MonitorClient:
                 delay = min(delay * 2, 5.0)
                 self._reattach()
 
-    def use_relay(self, node_id: str) -> None:
-        """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``)
-        from now on; needs :meth:`bind` first."""
+    def use_relay(self, node_id: str, zones: int = 0) -> None:
+        """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``,
+        and ``relay_zones``) from now on; needs :meth:`bind` first."""
         from ckptd.coordinator.relay import RelayRoute  # the relay imports this module
 
         assert self._run is not None, "bind() first"
-        self._relay = RelayRoute(self._run, self._namespace, node_id, self._timeout_s, self.metrics)
+        self._relay = RelayRoute(self._run, self._namespace, node_id, self._timeout_s, self.metrics, zones)
 
     def notify(self, event: tuple) -> Any:
         """Deliver one notification (batched with those of this process's other save threads,

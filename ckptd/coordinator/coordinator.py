@@ -102,7 +102,7 @@ class CheckpointCoordinator(TrainerCalls):
                                   "worker_id")
         node = ctx.get_node_id()
         if cfg["options"].get("node_relay"):
-            self._client.use_relay(node)
+            self._client.use_relay(node, int(cfg["options"].get("relay_zones") or 0))
         self._outbox = protocol.TimingOutbox()
         self._runner = UnitRunner(self._client, self._storage, self._template, self._attempt,
                                   SaveStrategy(cfg["save_strategy"]), float(cfg["slot_lease_s"]), node,

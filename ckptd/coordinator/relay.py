@@ -20,8 +20,10 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import ray
@@ -92,42 +94,55 @@ class GroupSender:
 
 
 class RelayCore:
-    """What a relay does, without the actor around it (a load generator hosts many of these in
-    one process to stand for many nodes): forward batches to the monitor, retrying while it is
-    unreachable or restarting.
+    """What a relay does, without the actor around it: forward batches upstream, retrying while
+    upstream is unreachable or restarting.
+
+    Upstream is the monitor, or a zone relay (``relay_zones``), or any ``upstream`` coroutine
+    function: a load generator hosts many cores in one process to stand for many nodes, and
+    passes the next core's :meth:`relay`.
 
     Args:
-        run, namespace: The monitor to forward to (found by name, again after it restarts).
-        timeout_s: How long a batch is retried while the monitor is unreachable.
+        run, namespace: The run (its monitor is found by name, again after it restarts).
+        timeout_s: How long a batch is retried while upstream is unreachable.
+        zone: Forward through the zone relay with this number instead of to the monitor.
+        upstream: Forward to this instead (for a load generator).
     """
 
-    def __init__(self, run: str, namespace: str | None, timeout_s: float) -> None:
-        self._client = MonitorClient(ray.get_actor(actor_name(run), namespace=namespace), timeout_s)
-        self._client.bind(run, namespace)
+    def __init__(self, run: str, namespace: str | None, timeout_s: float, zone: int | None = None,
+                 upstream: Callable[[list], Awaitable[list]] | None = None) -> None:
+        if upstream is None and zone is not None:
+            route = _Route(partial(start_relay, run, namespace, f"zone{zone}", timeout_s), timeout_s,
+                           RunMetrics(run), run)
+            upstream = route.send_async
+        if upstream is None:
+            client = MonitorClient(ray.get_actor(actor_name(run), namespace=namespace), timeout_s)
+            client.bind(run, namespace)
+            upstream = partial(client.call_async, "notify_batch")
+        self._upstream = upstream
         self._sender = GroupSender(self._forward)
         self.forwarded = 0  # events
-        self.calls = 0  # monitor calls
+        self.calls = 0  # upstream calls
 
     async def _forward(self, events: list) -> list:
         failpoints.hit("relay_before_forward")
-        results = await self._client.call_async("notify_batch", events)
+        results = await self._upstream(events)
         failpoints.hit("relay_after_forward")
         self.forwarded += len(events)
         self.calls += 1
         return results
 
     async def relay(self, events: list) -> list:
-        """Forward ``events`` (one coordinator's batch) to the monitor; its answers to them."""
+        """Forward ``events`` (one coordinator's batch, or a node relay's); the monitor's answers."""
         return await self._sender.submit(events)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class NodeRelay:
-    """The relay actor of one node and run (started by the node's first coordinator; see
-    :class:`RelayCore` for the arguments)."""
+    """A relay actor: of one node, or of one zone of nodes (see :class:`RelayCore` for the
+    arguments)."""
 
-    def __init__(self, run: str, namespace: str | None, timeout_s: float) -> None:
-        self._core = RelayCore(run, namespace, timeout_s)
+    def __init__(self, run: str, namespace: str | None, timeout_s: float, zone: int | None = None) -> None:
+        self._core = RelayCore(run, namespace, timeout_s, zone)
 
     async def relay(self, events: list) -> list:
         return await self._core.relay(events)
@@ -143,60 +158,88 @@ class NodeRelay:
         return {"forwarded": self._core.forwarded, "calls": self._core.calls, "pid": os.getpid()}
 
 
-def node_relay(run: str, namespace: str | None, node_id: str, timeout_s: float) -> Any:
-    """The relay of ``run`` on ``node_id``: the running one, or a new one started there.
+def zone_of(node_id: str, zones: int) -> int:
+    """The zone relay a node's relay sends through (the same in every process)."""
+    return zlib.crc32(node_id.encode()) % zones
 
-    The relay is owned by the process that started it and ends with it; the node's other
-    coordinators then start another (see :class:`~ckptd.coordinator.client.MonitorClient`).
-    Failpoints armed through the environment reach it too.
+
+def start_relay(run: str, namespace: str | None, where: str, timeout_s: float, zone: int | None = None,
+                node_id: str | None = None) -> Any:
+    """The relay of ``run`` named ``where`` (a node id, or ``zone{N}``): the running one, or a
+    new one, on ``node_id`` if given, sending through zone ``zone`` if given.
+
+    A relay is owned by the process that started it and ends with it; whoever needs it next
+    starts another. Failpoints armed through the environment reach it too.
     """
     env = {k: os.environ[k] for k in (failpoints.ENV_VAR, failpoints.ONCE_ENV_VAR) if k in os.environ}
+    placement = {} if node_id is None else {
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
     return NodeRelay.options(
-        name=relay_name(run, node_id), namespace=namespace, get_if_exists=True, max_concurrency=4096,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        runtime_env={"env_vars": env} if env else None,
-    ).remote(run, namespace, timeout_s)
+        name=relay_name(run, where), namespace=namespace, get_if_exists=True, max_concurrency=4096,
+        runtime_env={"env_vars": env} if env else None, **placement,
+    ).remote(run, namespace, timeout_s, zone)
 
 
-class RelayRoute:
-    """A coordinator's way to the monitor through its node's relay.
+class _Route:
+    """Calls a relay actor, starting it when there is none, and calls again through a new one
+    when it dies (or could not reach upstream) until ``timeout_s`` has passed: the monitor answers
+    a retried event as it answered the first."""
 
-    A call that fails because the relay is gone (or could not reach the monitor) is sent again
-    through the node's relay, started anew if need be, until ``timeout_s`` has passed: the
-    monitor answers a retried event as it answered the first.
-    """
-
-    def __init__(self, run: str, namespace: str | None, node_id: str, timeout_s: float,
-                 metrics: RunMetrics) -> None:
-        self._run, self._namespace, self._node_id = run, namespace, node_id
+    def __init__(self, start: Callable[[], Any], timeout_s: float, metrics: RunMetrics, run: str) -> None:
+        self._start = start
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._run = run
         self._lock = threading.Lock()
         self._handle: Any = None
 
-    def _relay(self) -> Any:
+    def handle(self) -> Any:
         with self._lock:
             if self._handle is None:
-                self._handle = node_relay(self._run, self._namespace, self._node_id, self._timeout_s)
+                self._handle = self._start()
             return self._handle
 
+    def _failed(self, handle: Any, error: BaseException, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise error
+        log.warning("a notification relay of run %s failed (%s); sending again", self._run, type(error).__name__)
+        self._metrics.inc(RETRIED_REQUESTS, request="relay_call")
+        with self._lock:
+            if self._handle is handle:
+                self._handle = None
+
     def send(self, events: list) -> list:
-        deadline = time.monotonic() + self._timeout_s
-        delay = 0.05
+        deadline, delay = time.monotonic() + self._timeout_s, 0.05
         while True:
-            handle = self._relay()
+            handle = self.handle()
             try:
                 return ray.get(handle.relay.remote(events))
             except RayActorError as e:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("the node relay of run %s failed (%s); sending again", self._run, type(e).__name__)
-                self._metrics.inc(RETRIED_REQUESTS, request="relay_call")
-                with self._lock:
-                    if self._handle is handle:
-                        self._handle = None
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                self._failed(handle, e, deadline)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def send_async(self, events: list) -> list:
+        deadline, delay = time.monotonic() + self._timeout_s, 0.05
+        while True:
+            handle = self.handle()
+            try:
+                return await handle.relay.remote(events)
+            except RayActorError as e:
+                self._failed(handle, e, deadline)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+class RelayRoute(_Route):
+    """A coordinator's way to the monitor: through its node's relay (and that relay's zone relay
+    when ``zones`` > 0)."""
+
+    def __init__(self, run: str, namespace: str | None, node_id: str, timeout_s: float,
+                 metrics: RunMetrics, zones: int = 0) -> None:
+        zone = zone_of(node_id, zones) if zones else None
+        super().__init__(partial(start_relay, run, namespace, node_id, timeout_s, zone, node_id),
+                         timeout_s, metrics, run)
 
     def post(self, events: list) -> None:
-        self._relay().post.remote(events)
+        self.handle().post.remote(events)

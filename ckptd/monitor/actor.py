@@ -11,6 +11,7 @@ rebuild its ledger from storage.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -66,6 +67,11 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
                  mirror_storage_options: dict | None = None, attempt: int = 0,
                  namespace: str | None = None) -> None:
         self._opts = MonitorOptions.parse(options)
+        # The monitor's process holds a large, long-lived heap (a record per unit: 40,000 a step at
+        # 10,000 ranks) and allocates a few objects per notification: with the default thresholds
+        # the cyclic collector walks that heap again and again, a third of a big commit's time.
+        # Collect the young generation 100x less often; reference counting still frees the rest.
+        gc.set_threshold(70_000, 20, 20)
         self._root_url = root
         self._run = run
         self._namespace = namespace
@@ -325,7 +331,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
                 self._warn()
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")
-            self._gauges.refresh(partial(build_status, self))
+            self._gauges.refresh(partial(build_status, self, units=False))
 
     def _warn(self) -> None:
         warnings = self._ledger.warnings(time.time())

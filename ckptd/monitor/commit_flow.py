@@ -17,7 +17,7 @@ from ckptd.config import Kind
 from ckptd.metrics import COMMIT_LATENCY, FAILED_COMMITS, FAILED_STEPS, RETRIED_REQUESTS
 from ckptd.monitor.attempts import FencedError
 from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
-from ckptd.monitor.ledger import SD, StepRecord, StepState
+from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
 
@@ -62,8 +62,8 @@ class CommitFlow:
             self._ledger.begin_commit(rec, kinds, time.time())
             self._committing[rec.step] = asyncio.Event()
             self._spawn(self._commit(rec, kinds))
-        return any(rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded
-                   for kind in Kind)
+        return ((rec[SD].state is StepState.FAILED and (rec.step, SD) not in self._failures_recorded)
+                or (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded))
 
     async def durable(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage: only then

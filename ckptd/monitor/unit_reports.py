@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from ckptd.config import Kind
+from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
 from ckptd.manifest import FileEntry, Manifest
 from ckptd.metrics import FAILED_UNITS
@@ -60,7 +60,8 @@ class UnitReports:
         return results
 
     async def _admit(self, uid: UnitId) -> str | None:
-        await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
+        if uid.step in self._committing:
+            await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
         if self._fenced is not None:
             return self._fenced
         why = self._ledger.admit(uid, time.time())
@@ -68,8 +69,12 @@ class UnitReports:
             await self.durable(uid.step)  # "already failed" is said only once it is recorded
         return why
 
+    def _release_slot(self, uid: UnitId) -> None:
+        if self._opts.save_strategy is not SaveStrategy.UNRESTRICTED:  # else no unit holds a slot
+            self._slots.release(slot_key(uid))
+
     async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
-        self._slots.release(slot_key(uid))
+        self._release_slot(uid)
         rec = self._ledger.get(uid.step)
         counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
         changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
@@ -96,7 +101,7 @@ class UnitReports:
             # restarted before its answer reached the worker (a rebuilt ledger does not hold the
             # units of committed checkpoints), or the step's record was pruned since.
             return None
-        if rec is not None:
+        if rec is not None and self._after_change_sync(rec):
             await self._after_change(rec)
         return None if why is None else {"refused": why}
 
@@ -142,7 +147,7 @@ class UnitReports:
                 if f.path in committed and (committed[f.path].size, committed[f.path].crc32) != (f.size, f.crc32)]
 
     async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
-        self._slots.release(slot_key(uid))
+        self._release_slot(uid)
         rec = self._ledger.fail(uid, failure, time.time())
         unit = rec.units.get(uid.key)
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification

@@ -58,6 +58,8 @@ def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_
     assert len(_manifest_units(root, 1)) == WORKERS * UNITS
     # Every started and finished notification reached the monitor through the relay.
     assert ray.get(_relay(run_name).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
+    with pytest.raises(ValueError):  # no zone relays unless asked for
+        ray.get_actor(relay_name(run_name, "zone0"))
 
     # The monitor's refusal comes back through the relay: step 1 is committed.
     coords[1].save_async("late", lambda: None, 1)
@@ -67,17 +69,20 @@ def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_
         coord.close()
 
 
-@pytest.mark.parametrize("failpoint", ["relay_before_forward", "relay_after_forward"])
+@pytest.mark.parametrize(("failpoint", "zones"), [("relay_before_forward", 0), ("relay_after_forward", 0),
+                                                   ("relay_after_forward", 1)])
 def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_monitor, tmp_path, run_name,
-                                                                         monkeypatch, failpoint):
-    """The relay process ends (os._exit, as a SIGKILL would) with a batch of notifications in hand:
-    before forwarding it, or after the monitor applied it but before the answers went back. The
-    coordinators send again through a new relay; the step commits with every unit exactly once."""
+                                                                         monkeypatch, failpoint, zones):
+    """A relay process ends (os._exit, as a SIGKILL would) with a batch of notifications in hand:
+    before forwarding it, or after the monitor applied it but before the answers went back. With
+    a zone relay, the first relay to forward a batch's answers is the zone's: it is the one that
+    dies. The coordinators send again through new relays; the step commits with every unit
+    exactly once."""
     once = tmp_path / "once"
-    monkeypatch.setenv("CKPTD_FAILPOINTS", f"{failpoint}=crash")  # reaches the relay it starts
+    monkeypatch.setenv("CKPTD_FAILPOINTS", f"{failpoint}=crash")  # reaches the relays it starts
     monkeypatch.setenv("CKPTD_FAILPOINTS_ONCE", str(once))
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, node_relay=True)
+    monitor = make_monitor(root, node_relay=True, relay_zones=zones)
     coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{i}") for i in range(WORKERS)]
     _save_step(coords, 1)
     for coord in coords:
@@ -99,3 +104,25 @@ def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_mo
     assert len(_manifest_units(root, 2)) == WORKERS * UNITS
     for coord in coords:
         coord.close()
+
+
+def test_node_relays_send_through_zone_relays(make_monitor, tmp_path, run_name):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True, relay_zones=1)
+    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{i}") for i in range(WORKERS)]
+    _save_step(coords, 1)
+    for coord in coords:
+        assert wait_all(coord) is None
+    coords[0].wait_committed(1, timeout_s=60)
+    assert len(_manifest_units(root, 1)) == WORKERS * UNITS
+    zone = ray.get(ray.get_actor(relay_name(run_name, "zone0")).stats.remote())
+    node = ray.get(_relay(run_name).stats.remote())
+    assert zone["forwarded"] >= 2 * WORKERS * UNITS  # everything went through the zone relay
+    assert zone["pid"] != node["pid"]
+    for coord in coords:
+        coord.close()
+
+
+def test_zone_relays_need_node_relays(make_monitor):
+    with pytest.raises(ckptd.CheckpointConfigError, match="relay_zones needs node_relay=True"):
+        make_monitor(relay_zones=4)

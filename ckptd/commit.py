@@ -22,6 +22,7 @@ reader asks whether the manifest exists (:func:`ckptd.layout.is_committed`).
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import sys
 import uuid
@@ -41,10 +42,15 @@ Hook = Callable[[], None] | None
 MOVE_PROTOCOLS = frozenset({"hdfs", "arrow_hdfs", "webhdfs", "viewfs"})
 
 
+_temp_prefix = uuid.uuid4().hex[:8]
+_temp_seq = itertools.count()
+
+
 def temp_name(path: str) -> str:
-    """A hidden sibling of ``path`` for a write in progress (readers and manifests skip these)."""
+    """A hidden sibling of ``path`` for a write in progress (readers and manifests skip these),
+    unique across hosts (a random prefix), forked processes (the pid) and threads (a counter)."""
     head, _, base = path.rpartition("/")
-    return f"{head}/{TMP_PREFIX}{base}-{uuid.uuid4().hex[:12]}"
+    return f"{head}/{TMP_PREFIX}{base}-{_temp_prefix}{os.getpid():x}-{next(_temp_seq):x}"
 
 
 def fsync_path(path: str) -> None:
@@ -90,10 +96,16 @@ class PosixRename(CommitStrategy):
     @contextmanager
     def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
         tmp = temp_name(path)
         try:
-            with open(tmp, "wb") as f:
+            f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below)
+        except FileNotFoundError:
+            # Only now: a receipt or record is written twice per save unit, into a directory that
+            # almost always exists, and makedirs costs three system calls when it does.
+            os.makedirs(directory, exist_ok=True)
+            f = open(tmp, "wb")  # noqa: SIM115
+        try:
+            with f:
                 yield f
                 f.flush()
                 if durable:

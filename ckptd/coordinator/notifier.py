@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("ckptd.coordinator")
@@ -18,6 +18,8 @@ class _Pending:
     done: bool = False
     error: BaseException | None = None
     result: Any = None
+    # Set when the event was delivered (done), or when its thread is to send the queue next.
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 class Notifier:
@@ -29,6 +31,10 @@ class Notifier:
     queued in one call. So a lone notification costs no extra hand-off, and a burst of units
     costs a few calls instead of one per unit.
 
+    Each waiting thread has its own wake-up: a call's return wakes the threads whose events it
+    carried and the one that sends next, not every thread waiting (a process that hosts many
+    coordinators has hundreds of save threads on one notifier).
+
     Args:
         send: Delivers a list of events to the monitor (retrying as it sees fit) and returns
             one result per event; raises if they could not be delivered.
@@ -36,7 +42,7 @@ class Notifier:
 
     def __init__(self, send: Callable[[list], list | None]) -> None:
         self._send = send
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._sending = False
 
@@ -54,17 +60,22 @@ class Notifier:
         return pending.result
 
     def _submit(self, pending: _Pending) -> None:
-        with self._cond:
+        with self._lock:
             self._queue.append(pending)
-            while not pending.done and self._sending:
-                if not pending.waits:
-                    return  # queued behind the call in flight; its sender flushes it after
-                self._cond.wait()
+            sender = not self._sending
+            self._sending = True
+        if not sender:
+            if not pending.waits:
+                return  # queued behind the call in flight; its sender flushes it after
+            pending.wake.wait()
             if pending.done:
                 return
-            self._sending = True
+            # Woken with its event still queued: this thread sends next.
+        self._send_queued()
+
+    def _send_queued(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 batch, self._queue = self._queue, []
             error = None
             results: list | None = None
@@ -74,13 +85,17 @@ class Notifier:
                 error = e
                 if any(not p.waits for p in batch):
                     log.warning("could not deliver notifications to the monitor: %s", e)
-            with self._cond:
-                for i, p in enumerate(batch):
-                    p.done, p.error = True, error
-                    p.result = results[i] if results is not None and i < len(results) else None
-                # A thread waiting in the queue takes over; posts alone are flushed from here.
-                if not self._queue or any(p.waits for p in self._queue):
+            for i, p in enumerate(batch):
+                p.error = error
+                p.result = results[i] if results is not None and i < len(results) else None
+                p.done = True
+                p.wake.set()
+            with self._lock:
+                if not self._queue:
                     self._sending = False
-                    self._cond.notify_all()
                     return
-                self._cond.notify_all()
+                successor = next((p for p in self._queue if p.waits), None)
+                if successor is not None:
+                    successor.wake.set()  # a thread waiting in the queue takes over
+                    return
+            # Only posts queued: flushed from here.

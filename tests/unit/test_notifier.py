@@ -42,3 +42,31 @@ def test_a_failed_delivery_is_raised_to_the_waiter():
     n.post("y")  # logged, not raised
     with pytest.raises(ConnectionError):
         n.deliver("z")
+
+
+def test_many_threads_each_get_their_own_answer_and_every_event_goes_once():
+    """A process hosting many coordinators has hundreds of save threads on one notifier: each
+    must get the answer to its own event, every event must be sent exactly once, and they batch."""
+    sent: list = []
+    lock = threading.Lock()
+
+    def send(events):
+        with lock:
+            sent.extend(events)
+        return [("answer", e) for e in events]
+
+    n = Notifier(send)
+    answers: dict[int, object] = {}
+    start = threading.Barrier(200)
+
+    def worker(i: int) -> None:
+        start.wait()
+        answers[i] = n.deliver(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert answers == {i: ("answer", i) for i in range(200)}
+    assert sorted(sent) == list(range(200))

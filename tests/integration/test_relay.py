@@ -102,23 +102,10 @@ def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_mo
         assert wait_all(coord) is None
     coords[0].wait_committed(2, timeout_s=60)
     assert len(_manifest_units(root, 2)) == WORKERS * UNITS
-    for coord in coords:
-        coord.close()
-
-
-def test_node_relays_send_through_zone_relays(make_monitor, tmp_path, run_name):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, node_relay=True, relay_zones=1)
-    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"w{i}") for i in range(WORKERS)]
-    _save_step(coords, 1)
-    for coord in coords:
-        assert wait_all(coord) is None
-    coords[0].wait_committed(1, timeout_s=60)
-    assert len(_manifest_units(root, 1)) == WORKERS * UNITS
-    zone = ray.get(ray.get_actor(relay_name(run_name, "zone0")).stats.remote())
-    node = ray.get(_relay(run_name).stats.remote())
-    assert zone["forwarded"] >= 2 * WORKERS * UNITS  # everything went through the zone relay
-    assert zone["pid"] != node["pid"]
+    if zones:  # step 2 went through the zone relay that replaced the dead one, not around it
+        zone = ray.get(ray.get_actor(relay_name(run_name, "zone0")).stats.remote())
+        assert zone["forwarded"] >= 2 * WORKERS * UNITS
+        assert zone["pid"] != ray.get(_relay(run_name).stats.remote())["pid"]
     for coord in coords:
         coord.close()
 

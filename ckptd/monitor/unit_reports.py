@@ -3,6 +3,7 @@ receives it: ``notify_batch`` and what each report does to the step's ledger."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -15,6 +16,8 @@ from ckptd.monitor.ledger import SD, StepRecord, StepState
 from ckptd.protocol import UnitFailure, UnitId
 
 log = logging.getLogger("ckptd.monitor")
+
+_YIELD_EVERY = 32  # events of one batch handled before the event loop runs other tasks
 
 
 def slot_key(unit: UnitId) -> str:
@@ -35,7 +38,12 @@ class UnitReports:
         changed a committed file), else None. ``("failed", unit, failure)`` answers None.
         """
         results = []
-        for event, unit, payload in events:
+        for i, (event, unit, payload) in enumerate(events):
+            if i and not i % _YIELD_EVERY:
+                # Let a commit waiting for its next step (a manifest written, a tracker moved) go on
+                # between the events of a large batch: under a flood it would otherwise wait for
+                # every batch ahead of it to finish, once per step of the commit.
+                await asyncio.sleep(0)
             self._notifications += 1
             self._recorder.notification(payload)
             if event not in ("started", "finished", "failed"):

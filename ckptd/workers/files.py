@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from ckptd import phases
 from ckptd.checksum import crc32, hex_of
 from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
@@ -54,12 +55,14 @@ class ChecksumWriter(io.RawIOBase):
         for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
             if len(part) < _OVERLAP_MIN:
+                # Not timed apart (pickle writes many small pieces): counts as the write's.
                 self.crc = crc32(part, self.crc)
                 self._f.write(part)
                 continue
             crc = _crc_pool.submit(crc32, part, self.crc)
             self._f.write(part)
-            self.crc = crc.result()
+            with phases.phase(phases.CHECKSUM):  # the part of the CRC its write did not hide
+                self.crc = crc.result()
         self.size += len(view)
         return len(view)
 
@@ -69,7 +72,7 @@ class ChecksumWriter(io.RawIOBase):
 
 def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter], None]) -> WrittenFile:
     """Open ``path`` for writing, let ``fill`` write into it, and return what was written."""
-    with storage.open_write(path) as f:
+    with phases.phase(phases.WRITE), storage.open_write(path) as f:
         w = ChecksumWriter(f)
         fill(w)
     return w.record(path)

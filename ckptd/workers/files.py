@@ -29,6 +29,7 @@ _CHUNK = 64 << 20
 
 
 _OVERLAP_MIN = 1 << 20
+_TIMED_MIN = 64 << 10  # smaller writes' CRC-32 counts as part of the write phase
 # CRC-32 and file writes both release the GIL on large buffers, so a helper thread can
 # checksum a slice while the writing thread hands the same slice to the OS.
 _crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc", initializer=lower_priority)
@@ -55,8 +56,11 @@ class ChecksumWriter(io.RawIOBase):
         for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
             if len(part) < _OVERLAP_MIN:
-                # Not timed apart (pickle writes many small pieces): counts as the write's.
-                self.crc = crc32(part, self.crc)
+                if len(part) < _TIMED_MIN:  # pickle's many small pieces: not worth a clock read
+                    self.crc = crc32(part, self.crc)
+                else:
+                    with phases.phase(phases.CHECKSUM):
+                        self.crc = crc32(part, self.crc)
                 self._f.write(part)
                 continue
             crc = _crc_pool.submit(crc32, part, self.crc)

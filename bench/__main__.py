@@ -83,7 +83,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.size_mib, args.sizes_mib, args.reps, args.pairs, args.model_mib = 4, [4], 1, 3, 4
         args.train_steps, args.ckpt_every, args.width = 4, 2, 256
         args.py_steps, args.py_every, args.py_ops = 6, 3, 200
-        args.workers, args.units, args.scale_steps, args.hosts = 8, 2, 3, 2
+        args.workers, args.units, args.scale_steps, args.hosts = 8, 2, 3, 1
         args.mirror_mib, args.versions = 4, 5
         args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab = 64, 2, 512
     args.context_reps = min(args.reps, 3)
@@ -110,6 +110,15 @@ class Results:
         self.comparisons: list[Comparison] = []
         self.phases: list[breakdown.Breakdown] = []
         self.skipped: list[tuple[str, str]] = []
+        self.seconds: dict[str, float] = {}
+        self._t0 = time.time()
+
+    def lap(self, name: str) -> None:
+        """Time since the previous lap, as ``name``'s duration (printed on stderr)."""
+        now = time.time()
+        self.seconds[name] = now - self._t0
+        self._t0 = now
+        print(f"{name}: {self.seconds[name]:.1f} s", file=sys.stderr)
 
 
 def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
@@ -118,6 +127,7 @@ def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
     from .training import p3_training
 
     h = SaveHarness(args.dir, "disk")
+    out.lap("start (Ray, a monitor)")
     try:
         if "P1" in only:
             sd = make_state(args.size_mib * MiB)
@@ -126,9 +136,11 @@ def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
             out.comparisons += comps
             out.phases += phases
             del sd
+            out.lap("P1")
         if "P2" in only:
             for mib in args.sizes_mib:
                 _p2(h, mib, args, out, p2_durable)
+            out.lap("P2 disk")
         if "P3" in only:
             for variant in (v.strip() for v in args.p3_variants.split(",") if v.strip()):
                 steps, every = ((args.train_steps, args.ckpt_every) if variant == "matmul"
@@ -140,6 +152,7 @@ def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
                 out.comparisons += comps
                 out.phases.append(phases)
                 gc.collect()
+                out.lap(f"P3 {variant}")
     finally:
         h.close()
     if "P2" not in only:
@@ -156,6 +169,7 @@ def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
             _p2(h, mib, args, out, p2_durable)
     finally:
         h.close()
+    out.lap("P2 RAM")
 
 
 def _p2(h, mib: int, args: argparse.Namespace, out: Results, p2_durable) -> None:
@@ -203,18 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         return p8_fsdp(args.dir, args.reps, args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab,
                        warm_up=not args.smoke)
 
-    seconds = {"P1-P3": time.time() - started}
     for name, fn in (("P4", p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8)):
         if name in only:
-            t0 = time.time()
             out.rows += fn()
-            seconds[name] = time.time() - t0
-            print(f"{name}: {seconds[name]:.1f} s", file=sys.stderr)
+            out.lap(name)
     # In scenario order (P2's RAM run comes after P3 in time).
     out.rows.sort(key=lambda r: r.scenario[:2])
     out.comparisons.sort(key=lambda c: c.target[:2])
     out.phases.sort(key=lambda b: b.label[:2])
-    targets = {**paired_checks(out.comparisons, args.smoke), **single_checks(out.rows)}
+    targets = {**paired_checks(out.comparisons, args.smoke), **single_checks(out.rows, args.smoke)}
     print(rows_table(out.rows))
     if out.phases:
         print()
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *(argv or sys.argv[1:])]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "started_at": started, "seconds": time.time() - started, "scenario_seconds": seconds,
+        "started_at": started, "seconds": time.time() - started, "scenario_seconds": out.seconds,
         "smoke": args.smoke, "pairs": args.pairs,
         "rows": [r.to_json() for r in out.rows], "targets": targets,
         "phases": [b.to_json() for b in out.phases if b.steps], "skipped": dict(out.skipped),

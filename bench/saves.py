@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 import ckptd
 
 from . import breakdown
-from .common import MiB, Row, busy_compute, fsync_tree, timed
+from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
 from .stats import interleave
 from .verdicts import Comparison
 
@@ -40,8 +40,7 @@ class SaveHarness:
         self.label = label
         self.dir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=base_dir)
         self.root = os.path.join(self.dir, "ckptd")
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        connect_ray()
         self.monitor = ckptd.start_monitor(self.root, run=f"bench-{label}-{os.getpid()}", max_ckpt_to_keep=2,
                                            max_state_dict_to_keep=2)
         self.coord = ckptd.CheckpointCoordinator(self.monitor, worker_id="bench")

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import ray
+
 from ckptd.phases import ALL
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,9 +24,10 @@ SINGLE = {"P4 commit latency p50 (ms)", "P4 commit latency p99 (ms)", "P4 notifi
           "P8 ckptd eager blocked / dcp.async_save", "P8 ckptd durable / dcp.save"}
 
 
-def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(tmp_path):
+def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, tmp_path):
     out = tmp_path / "results.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # The suite's Ray instance (its RAY_AUTH_MODE included): the bench joins it instead of starting one.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--json", str(out), "--dir", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

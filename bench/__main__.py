@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5,
                    help="repetitions of P4-P8 methods; P1/P2/P3 context rows use at most 3")
     p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P5 and P7")
-    p.add_argument("--sizes-mib", type=_sizes, default=[64, 256, 1024], help="P2 state sizes")
+    p.add_argument("--sizes-mib", type=_sizes, default="64,256,1024", help="P2 state sizes, comma-separated")
     p.add_argument("--ram-dir", default="/dev/shm",
                    help="RAM-backed directory for the second P2 run ('' to skip it)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size (AdamW adds twice as much state)")
@@ -59,8 +59,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="P3 training stand-ins: matmul (MLP on one torch thread), python (GIL-bound step)")
     p.add_argument("--train-steps", type=int, default=12, help="P3 matmul: steps per block")
     p.add_argument("--ckpt-every", type=int, default=6, help="P3 matmul: checkpoint every k steps")
-    p.add_argument("--py-steps", type=int, default=90, help="P3 python: steps per block")
-    p.add_argument("--py-every", type=int, default=45, help="P3 python: checkpoint every k steps")
+    p.add_argument("--py-steps", type=int, default=120, help="P3 python: steps per block")
+    p.add_argument("--py-every", type=int, default=60, help="P3 python: checkpoint every k steps")
     p.add_argument("--py-ops", type=int, default=6000, help="P3 python: tiny tensor ops per step")
     p.add_argument("--workers", type=int, default=128, help="P4 simulated workers")
     p.add_argument("--units", type=int, default=4, help="P4 units per worker and step")
@@ -71,7 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fsdp-hidden", type=int, default=512, help="P8 model width")
     p.add_argument("--fsdp-layers", type=int, default=8, help="P8 model depth")
     p.add_argument("--fsdp-vocab", type=int, default=16384, help="P8 vocabulary")
-    p.add_argument("--dir", default=None, help="scratch directory on disk (default: the system temp dir)")
+    p.add_argument("--dir", default=None, help="scratch directory on disk; None: the system temp dir")
     p.add_argument("--json", default="bench/results.json", help="where to write the JSON results")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, 3 pairs, 1 repetition: checks that everything runs; verdicts inconclusive")

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from ckptd.storage import Storage
 
 MiB = 1 << 20
+
+
+def connect_ray() -> bool:
+    """Join the cluster ``RAY_ADDRESS`` names (the test suite passes its own: no second start-up),
+    or start a local one with 2 CPUs; True if this call started or joined it."""
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return True
 
 
 def make_state(nbytes: int, tensors: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ import ckptd
 from ckptd.workers.dtensor import sharded_state
 from ckptd.workers.fsdp_job import FSDPJob, FSDPTrainer
 
-from .common import MiB, Row
+from .common import MiB, Row, connect_ray
 
 METHODS = ("ckptd fenced", "ckptd eager", "dcp.async_save", "dcp.save")
 
@@ -88,7 +88,7 @@ def p8_fsdp(base_dir: str | None, reps: int, hidden: int, layers: int, vocab: in
         # The rank actors import this module: let Ray's workers find the repository.
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        connect_ray()
     root = tempfile.mkdtemp(prefix="ckptd-bench-p8-", dir=base_dir)
     run = f"bench-p8-{os.getpid()}"
     monitor = ckptd.start_monitor(f"{root}/ckptd", run=run, max_ckpt_to_keep=2)

@@ -16,7 +16,7 @@ import ray
 
 import ckptd
 
-from .common import MiB, Row, make_state, timed
+from .common import MiB, Row, connect_ray, make_state, timed
 
 
 def p6_mirror(size_mib: int, reps: int, scratch: str | None, warm_up: bool = True) -> list[Row]:
@@ -27,8 +27,7 @@ def p6_mirror(size_mib: int, reps: int, scratch: str | None, warm_up: bool = Tru
         return []
     server = S3Server().start()
     base = tempfile.mkdtemp(prefix="ckptd-bench-p6-", dir=scratch)
-    if not ray.is_initialized():  # P1-P4 may have started it
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    connect_ray()  # P1-P4 may have started it
     state = make_state(size_mib * MiB, tensors=8)
     note = f"{size_mib} MiB in 8 safetensors files, local disk to moto S3 on 127.0.0.1"
     rows = {

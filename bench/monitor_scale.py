@@ -79,9 +79,9 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
     for a in actors:
         ray.kill(a)
 
-    # The monitor alone: the same events for as many steps again, sent by two processes.
-    floods = [Flood.remote(run) for _ in range(2)]
-    half = -(-workers // 2)
+    # The monitor alone: the same events for as many steps again, sent by two processes (one with one host).
+    floods = [Flood.remote(run) for _ in range(min(2, hosts))]
+    half = -(-workers // len(floods))
     before_flood = ray.get(monitor.status.remote()).notifications
     t0 = time.perf_counter()
     for step in range(steps + 1, 2 * steps + 1):
@@ -98,6 +98,6 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
               [latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]], note)
     rate = Row("P4 monitor", "notifications per second", "1/s", [(st.notifications - before) / elapsed], note)
     alone = Row("P4 monitor", "notifications per second, monitor alone", "1/s", [flood_rate],
-                f"the same events sent by 2 processes in batches of {2 * units} (one worker's units), "
+                f"the same events sent by {len(floods)} processes in batches of {2 * units} (one worker's units), "
                 "no save threads or receipt files")
     return [p50, p99, rate, alone]

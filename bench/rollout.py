@@ -49,7 +49,7 @@ from ckptd.workers import save_hf_model
 from ckptd.workers.mapped import threads
 from ckptd.workers.weights import read_weights
 
-from .common import MiB, Row
+from .common import MiB, Row, connect_ray
 
 POLL_S = 1.0  # Trinity-RFT's synchronizer checks the tracker once a second
 _WAIT_S = 60.0  # for a follower to see the last version; far above what either needs
@@ -281,9 +281,7 @@ def verified_load(coord: ckptd.CheckpointCoordinator, root: str, step: int, size
 
 
 def p7_rollout(base_dir: str | None, versions: int, size_mib: int, reps: int) -> list[Row]:
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    started_ray = connect_ray()
     root = tempfile.mkdtemp(prefix="ckptd-bench-p7-", dir=base_dir)
     run = f"bench-p7-{os.getpid()}"
     monitor = ckptd.start_monitor(root, run=run, max_state_dict_to_keep=2)

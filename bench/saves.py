@@ -1,7 +1,9 @@
 """P1 (time training is blocked by a save) and P2 (time until the save is durable), side by side.
 
-Every method saves the same state into a fresh directory of the same disk, once per repetition,
-after one warm-up save that is not counted (ckptd allocates its staging buffers then).
+Every method saves the same state into a fresh directory of the same filesystem. Each target pair
+(ckptd against its baseline) runs as interleaved pairs, order alternated (:mod:`bench.stats`),
+after one warm-up save of each that is not counted (ckptd allocates its staging buffers then);
+the other methods are context rows with fewer repetitions.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from safetensors.torch import save_file
 
 import ckptd
 
-from .common import Row, busy_compute, fsync_tree, timed
+from . import breakdown
+from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
+from .stats import interleave
+from .verdicts import Comparison
 
 
 def _free_port() -> int:
@@ -31,12 +36,12 @@ def _free_port() -> int:
 class SaveHarness:
     """Ray, a monitor, a coordinator and a one-rank gloo group (for DCP) around a scratch root."""
 
-    def __init__(self, base_dir: str | None) -> None:
+    def __init__(self, base_dir: str | None, label: str = "disk") -> None:
+        self.label = label
         self.dir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=base_dir)
         self.root = os.path.join(self.dir, "ckptd")
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        self.monitor = ckptd.start_monitor(self.root, run=f"bench-{os.getpid()}", max_ckpt_to_keep=2,
+        connect_ray()
+        self.monitor = ckptd.start_monitor(self.root, run=f"bench-{label}-{os.getpid()}", max_ckpt_to_keep=2,
                                            max_state_dict_to_keep=2)
         self.coord = ckptd.CheckpointCoordinator(self.monitor, worker_id="bench")
         self.step = 0
@@ -59,6 +64,18 @@ class SaveHarness:
         self.coord.wait_all()
         self.coord.wait_committed(step, timeout_s=600)
 
+    def ckptd_save(self, sd: dict[str, torch.Tensor], name: str, fenced: bool = False,
+                   saved: list[int] | None = None) -> int:
+        """One staged save of ``sd``, committed; returns its step (appended to ``saved``)."""
+        step = self.next_step()
+        self.coord.save_state_async(name, sd, step, fenced=fenced)
+        if fenced:
+            self.coord.before_update()
+        self.commit(step)
+        if saved is not None:
+            saved.append(step)
+        return step
+
     def close(self) -> None:
         self.coord.close()
         ray.kill(self.monitor, no_restart=True)
@@ -67,35 +84,53 @@ class SaveHarness:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], reps: int) -> list[Row]:
-    rows = {m: Row("P1 blocked", m, "s") for m in (
-        "memcpy into preallocated buffers (limit)", "ckptd eager staging", "ckptd fenced staging",
-        "dcp.async_save", "save_async(lambda: torch.save(sd)), no staging")}
+def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_reps: int,
+               ) -> tuple[list[Row], list[Comparison], list[breakdown.Breakdown]]:
+    """The training thread's blocked time: ckptd eager and fenced, each paired with memcpy."""
+    mib = sum(t.numel() * t.element_size() for t in sd.values()) / MiB
     bufs = {k: torch.empty_like(v) for k, v in sd.items()}
 
-    def memcpy() -> None:
-        for k, v in sd.items():
-            bufs[k].copy_(v)
+    def memcpy() -> float:
+        return timed(lambda: [bufs[k].copy_(v) for k, v in sd.items()])
 
     memcpy()
-    for _ in range(reps):
-        rows["memcpy into preallocated buffers (limit)"].samples.append(timed(memcpy))
-    compute_s = 2 * rows["memcpy into preallocated buffers (limit)"].median
-    rows["ckptd fenced staging"].note = f"forward+backward stand-in of {compute_s * 1e3:.0f} ms (2x memcpy)"
-    rows["save_async(lambda: torch.save(sd)), no staging"].note = "reads live tensors: torn if training goes on"
-
+    compute_s = 2 * sorted(memcpy() for _ in range(3))[1]
+    noise = "the copy's memory bandwidth is shared with everything else on the machine"
+    rows: list[Row] = []
+    comparisons: list[Comparison] = []
+    phases: list[breakdown.Breakdown] = []
     for fenced, method in ((False, "ckptd eager staging"), (True, "ckptd fenced staging")):
-        for rep in range(reps + 1):  # the first save allocates the buffers: not counted
+        saved: list[int] = []
+
+        def ckptd_blocked(fenced: bool = fenced, saved: list[int] = saved) -> float:
             step = h.next_step()
-            blocked = timed(lambda: h.coord.save_state_async("p1", sd, step, fenced=fenced))  # noqa: B023
+            blocked = timed(lambda: h.coord.save_state_async("p1", sd, step, fenced=fenced))
             if fenced:
-                busy_compute(compute_s)
+                busy_compute(compute_s)  # forward and backward: the copy runs meanwhile
                 blocked += timed(h.coord.before_update)
             h.commit(step)
-            if rep:
-                rows[method].samples.append(blocked)
+            saved.append(step)
+            return blocked
 
-    for rep in range(reps + 1):
+        ckptd_blocked()  # warm-up: allocates the staging buffers
+        saved.clear()
+        a, b = interleave(ckptd_blocked, memcpy, pairs)
+        ck = Row("P1 blocked", method, "s", a, f"{mib:.0f} MiB")
+        base = Row("P1 blocked", f"memcpy into preallocated buffers (paired with {method.split()[1]})", "s", b,
+                   "the limit")
+        if fenced:
+            ck.note += f", forward+backward stand-in of {compute_s * 1e3:.0f} ms (2x memcpy)"
+        rows += [base, ck]
+        name = "P1 fenced blocked / memcpy" if fenced else "P1 eager blocked / memcpy"
+        comparisons.append(Comparison(name, ck, base, noise=noise))
+        b = breakdown.Breakdown(f"P1 {method.split()[1]} {mib:.0f} MiB")
+        breakdown.collect(h.monitor, saved, h.coord.worker_id, b)
+        phases.append(b)
+
+    dcp_row = Row("P1 blocked", "dcp.async_save", "s", note=f"context: {context_reps} reps")
+    unstaged = Row("P1 blocked", "save_async(lambda: torch.save(sd)), no staging", "s",
+                   note=f"context: {context_reps} reps; reads live tensors: torn if training goes on")
+    for rep in range(context_reps + 1):
         path = h.fresh("dcp-async")
         future = None
 
@@ -106,9 +141,8 @@ def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], reps: int) -> list[R
         blocked = timed(start)
         future.result()
         if rep:
-            rows["dcp.async_save"].samples.append(blocked)
-
-    for rep in range(reps + 1):
+            dcp_row.samples.append(blocked)
+    for rep in range(context_reps + 1):
         step = h.next_step()
         out = h.coord.step_dir(step)
 
@@ -120,25 +154,30 @@ def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], reps: int) -> list[R
         blocked = timed(lambda: h.coord.save_async("p1-unstaged", save, step))  # noqa: B023
         h.commit(step)
         if rep:
-            rows["save_async(lambda: torch.save(sd)), no staging"].samples.append(blocked)
-    return list(rows.values())
+            unstaged.samples.append(blocked)
+    rows += [r for r in (dcp_row, unstaged) if r.samples]
+    return rows, comparisons, phases
 
 
-def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], reps: int) -> list[Row]:
-    rows = {m: Row("P2 durable", m, "s") for m in (
-        "ckptd (staged, streamed, fsynced, committed)", "safetensors.save_file + fsync", "torch.save + fsync",
-        "dcp.save", "dcp.async_save (until done)")}
+def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_reps: int,
+               ) -> tuple[list[Row], list[Comparison], breakdown.Breakdown]:
+    """Time until durable: ckptd paired with safetensors.save_file + fsync; other methods as context."""
+    mib = round(sum(t.numel() * t.element_size() for t in sd.values()) / MiB)
+    scenario = f"P2 durable ({h.label}, {mib} MiB)"
+    saved: list[int] = []
 
-    def ckptd_save() -> None:
-        step = h.next_step()
-        h.coord.save_state_async("p2", sd, step)
-        h.commit(step)
+    def ckptd_save() -> float:
+        return timed(lambda: h.ckptd_save(sd, "p2", saved=saved))
 
-    def safetensors_save() -> None:
+    def safetensors_save() -> float:
         path = h.fresh("st")
         os.makedirs(path)
-        save_file(sd, f"{path}/model.safetensors")
-        fsync_tree(path)
+
+        def save() -> None:
+            save_file(sd, f"{path}/model.safetensors")
+            fsync_tree(path)
+
+        return timed(save)
 
     def torch_save() -> None:
         path = h.fresh("pt")
@@ -152,10 +191,21 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], reps: int) -> list[R
     def dcp_async() -> None:
         dcp.async_save(sd, checkpoint_id=h.fresh("dcp-async")).result()
 
-    methods = dict(zip(rows, (ckptd_save, safetensors_save, torch_save, dcp_save, dcp_async), strict=True))
-    for rep in range(reps + 1):
-        for method, fn in methods.items():  # interleaved, so drift in the machine hits all alike
-            t = timed(fn)
-            if rep:
-                rows[method].samples.append(t)
-    return list(rows.values())
+    ckptd_save(), safetensors_save()  # warm-up
+    saved.clear()
+    a, b = interleave(ckptd_save, safetensors_save, pairs)
+    ck = Row(scenario, "ckptd (staged, streamed, fsynced, committed)", "s", a)
+    st = Row(scenario, "safetensors.save_file + fsync", "s", b)
+    rows = [ck, st]
+    context = {"torch.save + fsync": torch_save, "dcp.save": dcp_save, "dcp.async_save (until done)": dcp_async}
+    for method, fn in context.items():
+        row = Row(scenario, method, "s", note=f"context: {context_reps} reps")
+        row.samples = [timed(fn) for _ in range(context_reps)]
+        if row.samples:
+            rows.append(row)
+    noise = ("disk writeback noise; the RAM run isolates ckptd's overhead" if h.label == "disk"
+             else "CPU and memory-bandwidth noise of a shared machine")
+    comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise)
+    phases = breakdown.Breakdown(f"P2 {h.label} {mib} MiB")
+    breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)
+    return rows, [comparison], phases

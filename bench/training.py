@@ -1,17 +1,45 @@
-"""P3: training throughput with a full checkpoint every k steps, against no checkpointing and
-against a synchronous torch.save of the same state."""
+"""P3: what checkpointing costs a training loop, as alternating blocks of steps.
+
+One process layout, two loops: blocks of ``steps`` steps without checkpointing (A) and with a
+ckptd fenced checkpoint (model and AdamW state) every ``every`` steps (B), run ABBA..., each
+block one sample (seconds per step). A B block checkpoints before steps 0, k, 2k, ...: every
+save overlaps the k steps after it, as it would in a long run. The slowdown is
+``(median B / median A - 1) * 100`` with a bootstrap interval over the pairs of blocks. Between
+blocks the last save still running is waited for (not timed), so no block pays for the
+previous one's save.
+
+Two training stand-ins, with the same checkpointed state (``model_mib`` of weights + AdamW):
+
+* ``matmul``: forward, backward and AdamW of an MLP on one torch thread: big kernels that release
+  the GIL, so the save's threads compete for cores and memory bandwidth only;
+* ``python``: a GIL-bound step, like an RL trainer's per-sample bookkeeping: thousands of tiny
+  tensor ops and dict updates per step, then an in-place update of the weights. The save, checksum
+  and notification threads hold the GIL in between their large releases, and this shows what that
+  costs such a trainer.
+
+The training thread's time inside ckptd calls (the save calls and the fence) is also measured,
+so the table shows how much of the slowdown is waiting for staging and how much is contention.
+A synchronous ``torch.save`` + fsync of the same state is a context row (fewer blocks).
+"""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
-from .common import MiB, Row, fsync_tree, timed
+from . import breakdown
+from .common import MiB, Row, fsync_tree
 from .saves import SaveHarness
+from .stats import interleave
+from .verdicts import Comparison
+
+VARIANTS = ("matmul", "python")
 
 
 def _model(model_mib: int, width: int) -> torch.nn.Module:
@@ -19,52 +47,137 @@ def _model(model_mib: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
-def p3_training(h: SaveHarness, model_mib: int, steps: int, every: int, reps: int, width: int = 2048) -> list[Row]:
-    torch.manual_seed(0)
-    model = _model(model_mib, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(16, width)
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    rows = {m: Row("P3 training", m, "s/step") for m in ("no checkpointing", "ckptd (fenced staging)",
-                                                         "torch.save, synchronous")}
-    note = f"{nbytes / MiB:.0f} MiB model + AdamW, 1 torch thread, full checkpoint every {every} steps"
-    for row in rows.values():
-        row.note = note
+def python_work(ops: int) -> float:
+    """A GIL-bound training step: ``ops`` tiny tensor ops, each with a little Python bookkeeping."""
+    acc = torch.zeros(8)
+    stats: dict[int, float] = {}
+    for i in range(ops):
+        acc = acc + 1.0
+        stats[i & 63] = stats.get(i & 63, 0.0) + i
+    return float(acc[0]) + len(stats)
 
-    def run(mode: str) -> float:
-        def loop() -> None:
-            for step in range(1, steps + 1):
-                loss = model(x).square().mean()
-                opt.zero_grad()
-                loss.backward()
-                h.coord.before_update()  # fenced copies of the last checkpoint must be done
-                opt.step()
-                if step % every or step == steps:
-                    continue
-                if mode == "ckptd (fenced staging)":
-                    s = h.next_step()
-                    out = h.coord.step_dir(s)
 
-                    def write_optim(snapshot, out=out):
-                        storage = Storage(out)
-                        storage.makedirs(storage.root)
-                        return [write_torch(storage, storage.join("optim.pt"), snapshot)]
+class _Loop:
+    """The model, its optimizer and one training step of the chosen stand-in."""
 
-                    h.coord.save_state_async("model", model.state_dict(), s, fenced=True)
-                    h.coord.save_state_async("optim", opt.state_dict(), s, write_optim, fenced=True)
-                    h.coord.register(s, checkpoint_thread_count=2)
-                elif mode == "torch.save, synchronous":
-                    path = h.fresh("p3-sync")
-                    os.makedirs(path)
-                    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{path}/ckpt.pt")
-                    fsync_tree(path)
+    def __init__(self, h: SaveHarness, variant: str, model_mib: int, width: int, py_ops: int) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown P3 variant {variant!r}; use one of {VARIANTS}")
+        torch.manual_seed(0)
+        self.h, self.variant, self.py_ops = h, variant, py_ops
+        self.model = _model(model_mib, width)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(16, width)
+        self.first = next(self.model.parameters())
+        self._matmul_step(lambda: None)  # allocates gradients and the optimizer's state
+        self.nbytes = sum(p.numel() * 4 * 3 for p in self.model.parameters())  # weights + 2 AdamW moments
+        self.blocked = 0.0  # the training thread's time inside ckptd calls, this block
 
-        t = timed(loop)
-        h.coord.wait_all()
-        return t / steps
+    def _matmul_step(self, fence: Callable[[], None]) -> None:
+        loss = self.model(self.x).square().mean()
+        self.opt.zero_grad()
+        loss.backward()
+        fence()
+        self.opt.step()
 
-    run("no checkpointing")  # warm-up: first steps allocate gradients and optimizer state
-    for _ in range(reps):
-        for mode, row in rows.items():
-            row.samples.append(run(mode))
-    return list(rows.values())
+    def _python_step(self, fence: Callable[[], None]) -> None:
+        python_work(self.py_ops)
+        fence()
+        with torch.no_grad():
+            self.first.add_(1e-6)  # the update the fence protects: the weights change in place
+
+    def step(self, fence: Callable[[], None]) -> None:
+        (self._matmul_step if self.variant == "matmul" else self._python_step)(fence)
+
+    def _fence(self) -> None:
+        t0 = time.perf_counter()
+        self.h.coord.before_update()  # fenced copies of the last checkpoint must be done
+        self.blocked += time.perf_counter() - t0
+
+    def _save_ckptd(self, step: int) -> None:
+        out = self.h.coord.step_dir(step)
+
+        def write_optim(snapshot, out=out):
+            storage = Storage(out)
+            storage.makedirs(storage.root)
+            return [write_torch(storage, storage.join("optim.pt"), snapshot)]
+
+        t0 = time.perf_counter()
+        self.h.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
+        self.h.coord.save_state_async("optim", self.opt.state_dict(), step, write_optim, fenced=True)
+        self.h.coord.register(step, checkpoint_thread_count=2)
+        self.blocked += time.perf_counter() - t0
+
+    def _save_sync(self) -> None:
+        path = self.h.fresh("p3-sync")
+        os.makedirs(path)
+        torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()}, f"{path}/ckpt.pt")
+        fsync_tree(path)
+
+    def block(self, mode: str, steps: int, every: int, saved: list[int] | None = None) -> float:
+        """Run ``steps`` steps; return seconds per step. ``mode``: "none", "ckptd" or "sync".
+
+        Checkpoints are taken before steps 0, k, 2k, ... < ``steps``: each save overlaps the k
+        steps after it inside the block, as in a loop that checkpoints every k steps for good,
+        and no save is left for after the block.
+        """
+        self.blocked = 0.0
+        fence = self._fence if mode == "ckptd" else (lambda: None)
+        last = None
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if mode != "none" and i % every == 0:
+                if mode == "ckptd":
+                    last = self.h.next_step()
+                    self._save_ckptd(last)
+                    if saved is not None:
+                        saved.append(last)
+                else:
+                    self._save_sync()
+            self.step(fence)
+        per_step = (time.perf_counter() - t0) / steps
+        if last is not None:  # not timed: the next block starts with no save in flight
+            self.h.coord.wait_all()
+            self.h.coord.wait_committed(last, timeout_s=600)
+        return per_step
+
+
+def p3_training(h: SaveHarness, variant: str, model_mib: int, steps: int, every: int, pairs: int,
+                sync_blocks: int, width: int = 2048, py_ops: int = 6000,
+                ) -> tuple[list[Row], list[Comparison], breakdown.Breakdown]:
+    """Rows (seconds per step of each block), the slowdown comparison and ckptd's phases."""
+    loop = _Loop(h, variant, model_mib, width, py_ops)
+    scenario = f"P3 training ({variant})"
+    what = ("MLP forward+backward+AdamW, 1 torch thread" if variant == "matmul"
+            else f"GIL-bound step: {py_ops} tiny tensor ops + dict updates, in-place weight update")
+    note = (f"{loop.nbytes / MiB:.0f} MiB model + AdamW state, {what}; blocks of {steps} steps, "
+            f"a full checkpoint every {every} steps ({-(-steps // every)} per block)")
+    base, ck = Row(scenario, "no checkpointing", "s/step", note=note), Row(scenario, "ckptd (fenced staging)",
+                                                                           "s/step", note=note)
+    blocked = Row(scenario, "ckptd: training thread in ckptd calls", "s/step",
+                  note="save calls and the fence, per step of the ckptd blocks")
+    net = Row(scenario, "ckptd minus time in ckptd calls", "s/step",
+              note="what is left of the slowdown is contention: CPU, memory bandwidth, the GIL")
+    phases = breakdown.Breakdown(f"P3 {variant}")
+    saved: list[int] = []
+
+    def run_ckptd() -> float:
+        t = loop.block("ckptd", steps, every, saved)
+        blocked.samples.append(loop.blocked / steps)
+        net.samples.append(t - loop.blocked / steps)
+        return t
+
+    loop.block("none", steps, every)  # warm-up of both loops (staging buffers are allocated here)
+    loop.block("ckptd", steps, every)
+    a, b = interleave(run_ckptd, lambda: loop.block("none", steps, every), pairs)
+    ck.samples, base.samples = a, b
+    breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)
+    rows = [base, ck, blocked, net]
+    if sync_blocks:
+        sync = Row(scenario, "torch.save + fsync, synchronous", "s/step", note=f"context: {sync_blocks} blocks")
+        sync.samples = [loop.block("sync", steps, every) for _ in range(sync_blocks)]
+        rows.append(sync)
+    noise = ("the save's threads and the training loop share 2 cores; more pairs or longer blocks "
+             "narrow the interval")
+    comparisons = [Comparison(f"P3 ckptd slowdown % ({variant})", ck, base, percent=True, noise=noise)]
+    return rows, comparisons, phases

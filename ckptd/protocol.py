@@ -322,13 +322,25 @@ class TimingOutbox:
         self._lock = threading.Lock()
         self._units: deque[dict] = deque(maxlen=limit)
         self._blocked: deque[dict] = deque(maxlen=limit)
+        self._amended: deque[dict] = deque(maxlen=limit)
 
-    def unit(self, unit: UnitId, start: float, admitted: float | None, end: float, error: str | None = None) -> None:
+    def unit(self, unit: UnitId, start: float, admitted: float | None, end: float, error: str | None = None,
+             phases: dict[str, float] | None = None) -> None:
         """A unit ran from ``start`` (it asked to be admitted) through ``admitted`` (its save
-        function started) to ``end`` (its receipt was written, or it failed with ``error``)."""
+        function started) to ``end`` (its receipt was written, or it failed with ``error``);
+        ``phases``: seconds per phase of its save (:mod:`ckptd.phases`)."""
         entry = {"unit": unit.to_dict(), "start": start, "admitted": admitted, "end": end, "error": error}
+        if phases:
+            entry["phases"] = dict(phases)
         with self._lock:
             self._units.append(entry)
+
+    def amend(self, unit: UnitId, start: float, phases: dict[str, float]) -> None:
+        """Phases of a unit whose span (the one that started at ``start``) was already sent:
+        the monitor adds them to it (monitors that predate this ignore them)."""
+        entry = {"unit": unit.to_dict(), "start": start, "phases": dict(phases)}
+        with self._lock:
+            self._amended.append(entry)
 
     def blocked(self, worker: str, step: int, start: float, end: float, what: str) -> None:
         """The training thread spent ``start``..``end`` inside ``what`` (a save call, the fence)."""
@@ -339,11 +351,14 @@ class TimingOutbox:
     def drain(self) -> dict | None:
         """Everything not sent yet, as a payload value (None if nothing)."""
         with self._lock:
-            if not self._units and not self._blocked:
+            if not self._units and not self._blocked and not self._amended:
                 return None
             out = {"units": list(self._units), "blocked": list(self._blocked)}
+            if self._amended:
+                out["amended"] = list(self._amended)
             self._units.clear()
             self._blocked.clear()
+            self._amended.clear()
         return out
 
 

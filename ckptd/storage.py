@@ -18,6 +18,7 @@ from typing import IO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ckptd import phases
 from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_path, strategy_for
 from ckptd.errors import CheckpointConfigError
 
@@ -98,6 +99,10 @@ class Storage:
         """
         if not self.is_posix:
             return
+        with phases.phase(phases.FSYNC):
+            self._fsync_all(paths)
+
+    def _fsync_all(self, paths: list[str]) -> None:
         dirs: set[str] = set()
         for path in paths:
             fsync_path(path)

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from ckptd import protocol
+from ckptd import phases, protocol
 from ckptd.config import Kind, SaveStrategy
 from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.lanes import Job, Lane
@@ -261,6 +261,7 @@ class CheckpointCoordinator(TrainerCalls):
         def save_fn() -> Any:
             try:
                 snap.wait()
+                phases.add(phases.STAGING, snap.copy_seconds)
                 return write_fn(snap.state)
             finally:
                 snap.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from ckptd import phases
 from ckptd.errors import CheckpointConfigError
 from ckptd.manifest import FileEntry, WrittenFile, crc32_file, is_internal
 from ckptd.storage import FileStat, Storage
@@ -37,7 +38,8 @@ def discover_files(
     for rel, st in sorted(before.items()):
         path = f"{step_path}/{rel}"
         try:
-            size, crc = crc32_file(storage, path)
+            with phases.phase(phases.CHECKSUM):
+                size, crc = crc32_file(storage, path)
             after = storage.stat(path)
         except FileNotFoundError:
             continue  # another unit's temp file, renamed away meanwhile
@@ -100,7 +102,8 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
             raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
         st = storage.stat(prefix + rel)
         if written is None:
-            size, crc = crc32_file(storage, prefix + rel)
+            with phases.phase(phases.CHECKSUM):
+                size, crc = crc32_file(storage, prefix + rel)
         elif written.size != st.size:
             raise OSError(f"{rel} is {st.size} bytes on storage but its writer wrote {written.size}")
         else:

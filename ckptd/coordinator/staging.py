@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Any
 
 import torch
@@ -127,8 +128,10 @@ class StagedCopy:
         self._pairs = list(zip(leaves, buf.tensors, strict=True))
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self.seconds = 0.0  # how long the copy took (for the save's phase timings)
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         try:
             cuda = False
             with torch.no_grad():
@@ -141,6 +144,7 @@ class StagedCopy:
         except BaseException as e:  # surfaced by the save unit, which fails the step
             self.error = e
         finally:
+            self.seconds = time.perf_counter() - t0
             self._pairs = []
             self._done.set()
 
@@ -209,6 +213,11 @@ class Snapshot:
     def wait(self) -> None:
         """Wait for the copy; raise CheckpointError if it failed."""
         self._copy.wait()
+
+    @property
+    def copy_seconds(self) -> float:
+        """How long the copy took, wherever it ran (0 until it has ended)."""
+        return self._copy.seconds
 
     def release(self) -> None:
         """Hand the buffers back for the next save of the name."""

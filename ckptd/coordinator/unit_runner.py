@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd import failpoints, protocol
+from ckptd import failpoints, phases, protocol
 from ckptd.config import SaveStrategy
 from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
@@ -76,13 +76,18 @@ class UnitRunner:
             return self._report_failure(unit, e, span)
         span.admitted = time.time()
         try:
-            files, found = self._execute(unit, job.save_fn)
-            failpoints.hit("after_unit_write")
-            protocol.write_finished(self._storage, self._attempt, unit, files, found)
+            with phases.collect() as span.phases:
+                files, found = self._execute(unit, job.save_fn)
+                failpoints.hit("after_unit_write")
+                with phases.phase(phases.RECEIPT):
+                    protocol.write_finished(self._storage, self._attempt, unit, files, found)
             self._ended(unit, span)
+            sent = time.perf_counter()
             answer = self._client.notify(("finished", unit.to_dict(),
                                           {"files": [f.model_dump() for f in files], "found": found,
                                            **self._timing()}))
+            # Known only now, after the span left with that notification: it follows with the next.
+            self.outbox.amend(unit, span.start, {phases.NOTIFICATION: time.perf_counter() - sent})
         except Exception as e:
             return self._report_failure(unit, e, span)
         except BaseException as e:
@@ -172,7 +177,7 @@ class UnitRunner:
     def _ended(self, unit: UnitId, span: _Span, error: str | None = None) -> None:
         if not span.recorded:  # once: a unit that fails after its receipt was written keeps that end
             span.recorded = True
-            self.outbox.unit(unit, span.start, span.admitted, time.time(), error)
+            self.outbox.unit(unit, span.start, span.admitted, time.time(), error, span.phases)
 
     def _report_failure(self, unit: UnitId, exc: BaseException, span: _Span | None = None) -> CheckpointSaveError:
         failure = UnitFailure(
@@ -217,6 +222,7 @@ class _Span:
     start: float
     admitted: float | None = None
     recorded: bool = False
+    phases: dict[str, float] | None = None  # seconds per phase (ckptd.phases), filled as it runs
 
 
 class _Refused(CheckpointError):

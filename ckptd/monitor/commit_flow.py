@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from ckptd import failpoints, protocol
+from ckptd import failpoints, phases, protocol
 from ckptd.config import Kind
 from ckptd.metrics import COMMIT_LATENCY, FAILED_COMMITS, FAILED_STEPS, RETRIED_REQUESTS
 from ckptd.monitor.attempts import FencedError
@@ -116,16 +116,17 @@ class CommitFlow:
 
     async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:
         started = time.time()
+        times: dict[str, float] = {}
         try:
-            await self._commit_once(rec, kinds)
+            await self._commit_once(rec, kinds, times)
         finally:
             event = self._committing.pop(rec.step, None)
             if event is not None:
                 event.set()
-            self._record_commit(rec, kinds, started)
+            self._record_commit(rec, kinds, started, times)
         await self._after_change(rec)  # deferred, failed, or a checkpoint that waited for this
 
-    def _record_commit(self, rec: StepRecord, kinds: list[Kind], started: float) -> None:
+    def _record_commit(self, rec: StepRecord, kinds: list[Kind], started: float, times: dict[str, float]) -> None:
         """The commit's span for the timeline: committed, deferred, or failed (with why)."""
         try:
             states = {kind: rec[kind].state for kind in kinds}
@@ -133,12 +134,15 @@ class CommitFlow:
             error = (rec[failed[0]].reason or "failed") if failed else None
             deferred = [k.value for k, state in states.items() if state is StepState.PENDING]
             detail = f"deferred: {', '.join(deferred)}" if deferred else ""
-            self._recorder.commit(rec.step, [k.value for k in kinds], started, time.time(), error, detail)
+            self._recorder.commit(rec.step, [k.value for k in kinds], started, time.time(), error, detail, times)
         except Exception:  # observability must never break the commit path
             log.exception("could not record the commit of step %d for the timeline", rec.step)
 
-    async def _commit_once(self, rec: StepRecord, kinds: list[Kind]) -> None:
+    async def _commit_once(self, rec: StepRecord, kinds: list[Kind], times: dict[str, float]) -> None:
+        """Commit ``kinds`` of the step; ``times`` gets the seconds of its phases (commit: checks,
+        manifests written and renamed; trackers), for the timeline."""
         plan = self._plan(rec, kinds)
+        t0 = time.perf_counter()
         try:
             manifests = await self._retrying("commit", self._committer.commit, plan)
         except Deferred:
@@ -160,8 +164,11 @@ class CommitFlow:
         # tracker that cannot be advanced does not uncommit the step (the next commit, or the
         # next start-up, moves it forward). Waiters are released only after both, so that
         # latest_step() agrees with wait_committed().
+        t1 = time.perf_counter()
+        times[phases.COMMIT] = t1 - t0
         try:
             await self._advance_trackers(rec.step, Kind.CHECKPOINT if Kind.CHECKPOINT in kinds else SD)
+            times[phases.TRACKERS] = time.perf_counter() - t1
         except Exception as e:
             if isinstance(e, FencedError):
                 self._fenced = str(e)

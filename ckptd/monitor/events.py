@@ -23,8 +23,10 @@ through :class:`ckptd.monitor.recorder.Recorder`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -63,6 +65,12 @@ class Span:
         error: Why it failed; None when it succeeded.
         detail: Free text for the tooltip (bytes uploaded, ...).
         attempt: The monitor's attempt (job) that recorded it.
+        phases: Seconds per phase (:mod:`ckptd.phases`): a unit's ``staging``, ``write``,
+            ``checksum``, ``fsync``, ``receipt`` and ``notification``; a commit's ``commit`` and
+            ``trackers``. None where not measured (spans of older coordinators and monitors).
+
+    Spans are identified by :attr:`identity`: a later record of the same span (one whose phases
+    were completed) supersedes an earlier one.
     """
 
     lane: str
@@ -76,6 +84,11 @@ class Span:
     error: str | None = None
     detail: str = ""
     attempt: int = 0
+    phases: dict[str, float] | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def identity(self) -> tuple:
+        return (self.lane, self.worker, self.name, self.step, self.start)
 
     @property
     def ok(self) -> bool:
@@ -95,7 +108,24 @@ class Span:
         return cls(lane=d["lane"], step=int(d["step"]), start=float(d["start"]), end=float(d["end"]),
                    worker=d.get("worker"), name=str(d.get("name", "")), kind=d.get("kind"),
                    admitted=None if d.get("admitted") is None else float(d["admitted"]), error=d.get("error"),
-                   detail=str(d.get("detail", "")), attempt=int(d.get("attempt", 0)))
+                   detail=str(d.get("detail", "")), attempt=int(d.get("attempt", 0)),
+                   phases=phases_of(d.get("phases")))
+
+
+def phases_of(value: object) -> dict[str, float] | None:
+    """Phase timings as sent or stored: names to finite seconds >= 0; anything else is left out
+    (a worker's bad timing must never fail its save, nor hide its span)."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for name, seconds in value.items():
+        try:
+            seconds = float(seconds)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(name, str) and math.isfinite(seconds) and seconds >= 0:
+            out[name] = seconds
+    return out or None
 
 
 def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
@@ -110,7 +140,8 @@ def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
                             worker=str(unit["worker"]), name=str(unit["name"]), kind=str(unit["kind"]),
                             admitted=None if entry.get("admitted") is None else float(entry["admitted"]),
                             # str: a span must stay JSON-writable, or every later flush would fail on it
-                            error=None if error is None else str(error), attempt=attempt))
+                            error=None if error is None else str(error), attempt=attempt,
+                            phases=phases_of(entry.get("phases"))))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed unit timing %r: %s", str(entry)[:200], e)
     for entry in timing.get("blocked") or []:
@@ -119,6 +150,38 @@ def spans_from_timing(timing: dict, attempt: int = 0) -> list[Span]:
                             worker=str(entry["worker"]), name=str(entry.get("what", "")), attempt=attempt))
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             log.warning("ignoring a malformed blocked timing %r: %s", str(entry)[:200], e)
+    return out
+
+
+@dataclass(frozen=True)
+class Amendment:
+    """Phases measured after a unit's span was sent (``timing["amended"]``): they are added to
+    the unit span of ``worker``, ``name`` and ``step`` that started at ``start``."""
+
+    step: int
+    worker: str
+    name: str
+    start: float
+    phases: dict[str, float]
+
+    @property
+    def identity(self) -> tuple:
+        return (UNIT, self.worker, self.name, self.step, self.start)
+
+
+def amendments_from_timing(timing: dict) -> list[Amendment]:
+    """The amendments in a notification's timing payload; malformed entries are skipped."""
+    out = []
+    entries = timing.get("amended") or []
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            unit = entry["unit"]
+            phases = phases_of(entry.get("phases"))
+            if phases:
+                out.append(Amendment(int(unit["step"]), str(unit["worker"]), str(unit["name"]),
+                                     float(entry["start"]), phases))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            log.warning("ignoring a malformed timing amendment %r: %s", str(entry)[:200], e)
     return out
 
 
@@ -167,6 +230,23 @@ class EventLog:
         if dropped:
             self.dropped_steps += len(dropped)
             self._unflushed = [s for s in self._unflushed if s.step not in dropped]
+
+    def amend(self, amendments: Iterable[Amendment]) -> None:
+        """Add the phases of each amendment to its span; the span is persisted again if it was
+        already (readers keep the later record). An amendment of a span not kept is dropped."""
+        with self._lock:
+            for a in amendments:
+                spans = self._steps.get(a.step, [])
+                for i, span in enumerate(spans):
+                    if span.identity == a.identity:
+                        new = dataclasses.replace(span, phases={**(span.phases or {}), **a.phases})
+                        spans[i] = new
+                        pending = [j for j, s in enumerate(self._unflushed) if s is span]
+                        if pending:
+                            self._unflushed[pending[0]] = new
+                        else:
+                            self._unflushed.append(new)
+                        break
 
     def spans(self) -> list[Span]:
         """Every span kept, by step, then start time."""
@@ -296,5 +376,6 @@ def read_events(storage: Storage, run: str) -> list[Span]:
                 # included): the file's spans are lost, the others are still drawn.
                 log.warning("skipping unreadable timeline file %s: %s: %s", name, type(e).__name__, e)
         if not vanished:
-            return sorted(spans, key=lambda s: (s.step, s.start))
+            latest = {s.identity: s for s in spans}  # files in written order: a later record wins
+            return sorted(latest.values(), key=lambda s: (s.step, s.start))
     raise OSError(f"the timeline files under {directory} kept changing while being read; try again")

@@ -14,7 +14,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ckptd import protocol
-from ckptd.monitor.events import COMMIT, MIRROR, EventLog, EventStore, Span, read_events, spans_from_timing
+from ckptd.monitor.events import (
+    COMMIT,
+    MIRROR,
+    EventLog,
+    EventStore,
+    Span,
+    amendments_from_timing,
+    read_events,
+    spans_from_timing,
+)
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.monitor")
@@ -56,13 +65,14 @@ class Recorder:
             timing = protocol.timing_of(payload)
             if timing is not None:
                 self.log.add(spans_from_timing(timing, self._attempt))
+                self.log.amend(amendments_from_timing(timing))
         except Exception:
             log.exception("could not record the timing of a notification")
 
     def commit(self, step: int, kinds: list[str], start: float, end: float, error: str | None,
-               detail: str = "") -> None:
+               detail: str = "", phases: dict[str, float] | None = None) -> None:
         self._add(Span(COMMIT, step, start, end, name="+".join(kinds), error=error, detail=detail,
-                       attempt=self._attempt))
+                       attempt=self._attempt, phases=phases or None))
 
     def upload(self, step: int, start: float, end: float, error: str | None, detail: str = "") -> None:
         self._add(Span(MIRROR, step, start, end, error=error, detail=detail, attempt=self._attempt))

@@ -120,6 +120,8 @@ def _tooltip(s: Span, t0: float) -> str:
     if s.lane == UNIT and s.admitted is not None:
         waited, wrote = max(0.0, s.admitted - s.start), max(0.0, s.end - s.admitted)
         lines.append(f"admitted after {_ms(waited)}, wrote for {_ms(wrote)}")
+    if s.phases:
+        lines.append(", ".join(f"{name} {_ms(sec)}" for name, sec in s.phases.items()))
     if s.detail:
         lines.append(s.detail)
     if s.error:

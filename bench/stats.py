@@ -1,0 +1,91 @@
+"""Verdicts that hold on a noisy machine: interleaved A/B repetitions, the ratio of their medians,
+and a bootstrap 95 % interval of that ratio.
+
+Two medians taken minutes apart compare two states of the machine (the page cache, the disk's
+writeback, another process) as much as two methods. Interleaving puts A and B side by side in
+time, so slow drift hits both; alternating the order of each pair (AB, BA, AB, ...) cancels a
+trend within a pair too. The interval comes from resampling whole pairs, which keeps that
+pairing. A target counts as met only when the whole interval is within it, and as missed only
+when the whole interval is outside it; otherwise the bench cannot tell, and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+
+class Verdict(str, Enum):
+    MET = "met"
+    MISSED = "missed"
+    INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class RatioEstimate:
+    """``median(a) / median(b)`` over ``pairs`` interleaved pairs, with a ``confidence`` interval."""
+
+    ratio: float
+    low: float
+    high: float
+    pairs: int
+    confidence: float
+
+    def __str__(self) -> str:
+        return f"{self.ratio:.3g} [{self.low:.3g}, {self.high:.3g}] ({self.pairs} pairs)"
+
+
+def interleave(run_a: Callable[[], float], run_b: Callable[[], float], pairs: int) -> tuple[list[float], list[float]]:
+    """Run ``pairs`` A/B pairs, alternating which goes first; each call returns one sample."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs}")
+    a, b = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a.append(run_a())
+            b.append(run_b())
+        else:
+            b.append(run_b())
+            a.append(run_a())
+    return a, b
+
+
+def bootstrap_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, resamples: int = 10_000,
+                    seed: int = 0) -> RatioEstimate:
+    """The ratio of medians ``median(a) / median(b)`` of paired samples, and its percentile
+    bootstrap interval (pairs resampled with replacement; ``seed`` makes it reproducible).
+
+    Raises:
+        ValueError: unpaired or empty samples, a non-positive sample of ``b``, or a bad
+            ``confidence``.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need the same number (> 0) of A and B samples, got {len(a)} and {len(b)}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if (xb <= 0).any():
+        raise ValueError("B's samples must be > 0 (they divide)")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(xa), size=(resamples, len(xa)))
+    ratios = np.median(xa[idx], axis=1) / np.median(xb[idx], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return RatioEstimate(float(np.median(xa) / np.median(xb)), float(low), float(high), len(xa), confidence)
+
+
+def verdict(estimate: RatioEstimate, *, at_most: float | None = None, at_least: float | None = None) -> Verdict:
+    """MET when the whole interval satisfies the bound(s), MISSED when the whole interval
+    violates one, INCONCLUSIVE when the interval straddles a bound."""
+    if (at_most is None) == (at_least is None):
+        raise ValueError("give exactly one of at_most and at_least")
+    if at_most is not None:
+        if estimate.high <= at_most:
+            return Verdict.MET
+        return Verdict.MISSED if estimate.low > at_most else Verdict.INCONCLUSIVE
+    if estimate.low >= at_least:
+        return Verdict.MET
+    return Verdict.MISSED if estimate.high < at_least else Verdict.INCONCLUSIVE

@@ -1,0 +1,52 @@
+"""The benchmark's statistics: interleaving, the bootstrap interval of a ratio, and verdicts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.stats import RatioEstimate, Verdict, bootstrap_ratio, interleave, verdict
+
+
+def test_pairs_alternate_which_method_runs_first():
+    order = []
+    a, b = interleave(lambda: order.append("A") or 1.0, lambda: order.append("B") or 2.0, 4)
+    assert order == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    assert (a, b) == ([1.0] * 4, [2.0] * 4)
+    with pytest.raises(ValueError, match="pairs must be >= 1"):
+        interleave(lambda: 1.0, lambda: 1.0, 0)
+
+
+def test_a_clear_difference_gives_a_tight_interval_around_the_ratio():
+    rng = random.Random(1)
+    b = [1.0 + rng.gauss(0, 0.02) for _ in range(15)]
+    a = [2.0 * x + rng.gauss(0, 0.02) for x in b]
+    est = bootstrap_ratio(a, b)
+    assert est.low <= est.ratio <= est.high and 1.9 < est.low and est.high < 2.1 and est.pairs == 15
+    assert bootstrap_ratio(a, b) == est  # seeded: the same interval every time
+    assert verdict(est, at_most=2.2) is Verdict.MET
+    assert verdict(est, at_most=1.5) is Verdict.MISSED
+    assert verdict(est, at_least=1.5) is Verdict.MET
+
+
+def test_disk_like_noise_makes_a_near_target_inconclusive():
+    rng = random.Random(2)  # writeback: samples spread from 0.6 s to 3.5 s on both sides
+    a = [rng.uniform(0.6, 3.5) for _ in range(9)]
+    b = [rng.uniform(0.6, 3.5) for _ in range(9)]
+    est = bootstrap_ratio(a, b)
+    assert est.low < 1.1 < est.high
+    assert verdict(est, at_most=1.1) is Verdict.INCONCLUSIVE
+
+
+def test_verdicts_at_the_bounds_and_bad_input():
+    est = RatioEstimate(1.0, 0.9, 1.1, 9, 0.95)
+    assert verdict(est, at_most=1.1) is Verdict.MET  # the whole interval within the bound
+    assert verdict(est, at_least=0.9) is Verdict.MET
+    assert verdict(est, at_most=1.0) is Verdict.INCONCLUSIVE
+    with pytest.raises(ValueError, match="exactly one"):
+        verdict(est)
+    with pytest.raises(ValueError, match="same number"):
+        bootstrap_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="> 0"):
+        bootstrap_ratio([1.0], [0.0])

@@ -1,0 +1,51 @@
+"""The benchmark's verdicts as printed: reasons for inconclusive, percent targets, smoke runs, and
+when the RAM-backed P2 run is skipped."""
+
+from __future__ import annotations
+
+from bench.__main__ import ram_dir_problem
+from bench.common import MiB, Row
+from bench.report import limit_of, paired_checks, targets_table
+from bench.verdicts import Comparison, judge
+
+
+def _pair(a: list[float], b: list[float]) -> tuple[Row, Row]:
+    return Row("P2 durable (disk, 64 MiB)", "ckptd", "s", a), Row("P2 durable (disk, 64 MiB)", "st", "s", b)
+
+
+def test_a_straddling_interval_is_inconclusive_and_says_why():
+    a, b = _pair([1.0, 1.3, 0.9, 1.2, 1.05], [1.0] * 5)
+    t = judge(Comparison("P2 ckptd durable / safetensors+fsync (disk, 64 MiB)", a, b, noise="disk writeback noise"),
+              1.1)
+    assert t["verdict"] == "inconclusive" and t["low"] < 1.1 < t["high"]
+    assert t["reason"].startswith(f"interval {t['low']:.3g} to {t['high']:.3g} straddles 1.1: disk writeback noise")
+    assert "only 5 pairs: use --pairs 9" in t["reason"]
+    assert t["a"]["samples"] == a.samples and t["b"]["samples"] == b.samples
+
+
+def test_clear_results_are_met_or_missed_and_a_smoke_run_never_is():
+    a, b = _pair([0.5 + i * 0.001 for i in range(9)], [1.0] * 9)
+    c = Comparison("P1 eager blocked / memcpy", a, b)
+    assert judge(c, limit_of(c.target))["verdict"] == "met" and judge(c, 0.4)["verdict"] == "missed"
+    assert judge(c, 1.2)["reason"] == ""
+    smoke = judge(c, 1.2, smoke=True)
+    assert (smoke["verdict"], smoke["reason"]) == ("inconclusive", "smoke run: tiny sizes and few pairs")
+
+
+def test_a_slowdown_target_is_judged_in_percent():
+    base = Row("P3", "none", "s/step", [1.0] * 9)
+    slow = Row("P3", "ckptd", "s/step", [1.05] * 9)
+    t = paired_checks([Comparison("P3 ckptd slowdown % (python)", slow, base, percent=True)], smoke=False)
+    t = t["P3 ckptd slowdown % (python)"]
+    assert abs(t["value"] - 5.0) < 1e-9 and t["target"] == 3.0 and t["verdict"] == "missed"
+    assert abs(t["ratio"] - 1.05) < 1e-9
+    table = targets_table({"P3 ckptd slowdown % (python)": t}, [("P2 (RAM)", "/nope does not exist")])
+    assert "| P3 ckptd slowdown % (python) | 5 | 5 – 5 | ≤ 3 | 9 | missed |" in table
+    assert "| P2 (RAM) | – | – | – | – | skipped | /nope does not exist |" in table
+
+
+def test_the_ram_run_is_skipped_with_a_reason(tmp_path):
+    assert ram_dir_problem(str(tmp_path), 1) is None
+    assert "does not exist" in ram_dir_problem(str(tmp_path / "missing"), 1)
+    assert "MiB free, the run needs" in ram_dir_problem(str(tmp_path), 1 << 62)
+    assert ram_dir_problem("", MiB) == "--ram-dir '' given"

@@ -45,7 +45,7 @@ def _sizes(text: str) -> list[int]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7,P8", help="comma-separated scenarios")
+    p.add_argument("--only", default="P1,P2,P3,P4,P5,P6,P7,P8,P9", help="comma-separated scenarios")
     p.add_argument("--pairs", type=int, default=MIN_PAIRS,
                    help=f"interleaved A/B pairs per P1/P2/P3 target (verdicts need >= {MIN_PAIRS})")
     p.add_argument("--reps", type=int, default=5,
@@ -66,6 +66,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--units", type=int, default=4, help="P4 units per worker and step")
     p.add_argument("--scale-steps", type=int, default=50, help="P4 steps")
     p.add_argument("--hosts", type=int, default=4, help="P4 host actors the simulated workers share")
+    p.add_argument("--ranks", type=int, default=10_000, help="P9 simulated ranks (8 per node)")
+    p.add_argument("--zones", type=int, default=32, help="P9 zone relays")
+    p.add_argument("--write-s", type=float, default=2.0,
+                   help="P9 spread mode: each unit writes for 0.5x..1.5x this many seconds")
+    p.add_argument("--rank-steps", type=int, default=5, help="P9 steps per mode (spread, burst)")
     p.add_argument("--mirror-mib", type=int, default=256, help="P6 step size")
     p.add_argument("--versions", type=int, default=100, help="P7 weight versions committed")
     p.add_argument("--fsdp-hidden", type=int, default=512, help="P8 model width")
@@ -85,6 +90,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.train_steps, args.ckpt_every, args.width = 4, 2, 256
         args.py_steps, args.py_every, args.py_ops = 6, 3, 200
         args.workers, args.units, args.scale_steps, args.hosts = 8, 2, 3, 1
+        args.ranks, args.zones, args.write_s, args.rank_steps = 64, 2, 0.2, 1
         args.mirror_mib, args.versions = 4, 5
         args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab = 64, 2, 512
     args.context_reps = min(args.reps, 3)
@@ -219,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         return p8_fsdp(args.dir, args.reps, args.fsdp_hidden, args.fsdp_layers, args.fsdp_vocab,
                        warm_up=not args.smoke)
 
-    for name, fn in (("P4", p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8)):
+    def p9():
+        from .scale import p9_scale
+
+        return p9_scale(args.dir, args.ranks, args.units, args.rank_steps, args.write_s, args.zones)
+
+    for name, fn in (("P4", p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8), ("P9", p9)):
         if name in only:
             out.rows += fn()
             out.lap(name)

@@ -1,22 +1,25 @@
 """P9: the monitor at 10,000 ranks x 4 units per step, simulated.
 
-Each simulated rank does what a coordinator does with ``node_relay=True``: it asks admission for
-its units (one batch, as its notifier would send them), each unit "writes" for a while and creates
-its file, then reports it finished with that file. Its events go through the relay of its node (8
-ranks per node, so 1,250 relays at 10,000 ranks): the real :class:`~ckptd.coordinator.relay.RelayCore`,
-hosted in a few simulator processes instead of one actor per node, since this machine has 2 cores,
-not 1,250 nodes. The rank-to-relay hop (node-local, in parallel on a real cluster) is a function
-call here; everything from the relays on (Ray calls, the real monitor, its commit with every file
-checked, trackers) is real. What ranks also do that is not simulated: receipts (a file per unit,
-written by each rank on its own node, in parallel) and the data itself.
+Each simulated rank does what a coordinator does with ``node_relay=True, relay_zones=32``: it
+asks admission for its units (one batch, as its notifier would send them), each unit "writes"
+for a while and creates its file, then reports it finished with that file. Its events go through
+the relay of its node (8 ranks per node: 1,250 node relays at 10,000 ranks), which sends through
+one of 32 zone relays, which send to the monitor. The relays are the real
+:class:`~ckptd.coordinator.relay.RelayCore`, hosted in a few simulator processes instead of one
+actor per node and zone, since this machine has 2 cores, not 1,250 nodes: the rank -> node relay
+-> zone relay hops (in parallel on other machines on a real cluster) are function calls here;
+everything from the zone relays on (Ray calls, the real monitor, its commit with every file
+checked, trackers, retention) is real. What ranks also do that is not simulated: receipts (a file
+per unit, written by each rank on its own node, in parallel) and the data itself.
 
 Per step it measures the commit latency after the last unit (the last finished event handed to
-its relay -> the trackers durable, from the monitor's commit span), the monitor's CPU time (its
-process), and the monitor calls it received.
+its relay -> the trackers durable, from the monitor's commit span), how much of it the commit
+itself took, the monitor's CPU time (its process), and the calls the monitor received.
 
-Write times: ``spread`` draws each unit's from 0.5x..1.5x ``--scale-write-s`` (ranks finish over
-a window, as real saves do); ``burst`` has every unit finish at once, the worst case for the
-latency: the monitor then has all 40,000 finished events in front of it at the same instant.
+Write times: ``spread`` draws each unit's from 0.5x..1.5x ``write_s`` (ranks finish over a
+window, as real saves of shards of different sizes on different disks do); ``burst`` has every
+unit finish at once, the worst case: the monitor then has all 40,000 finished events in front of
+it at the same instant.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def p9_scale(base_dir: str | None, ranks: int, units: int, steps: int, write_s: 
     monitor = ckptd.start_monitor(root, run=run, max_ckpt_to_keep=2, status_history=4)
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
     namespace = ray.get_runtime_context().namespace
-    # Whole nodes per simulator, so that each node's relay batches all of its ranks.
+    # Whole nodes and zones per simulator, so that each relay batches all of what it stands for.
+    simulators = max(1, min(simulators, zones))
     nodes = -(-ranks // RANKS_PER_NODE)
     per = -(-nodes // simulators)
     sims = []

@@ -20,7 +20,8 @@ PAIRED = {"P1 eager blocked / memcpy", "P1 fenced blocked / memcpy",
 SINGLE = {"P4 commit latency p50 (ms)", "P4 commit latency p99 (ms)", "P4 notifications per second",
           "P5 ckptd peak RSS / state", "P7 subscriber latency p50 (ms)",
           "P7 ckptd load_into / load_file+load_state_dict", "P8 ckptd fenced blocked / dcp.async_save",
-          "P8 ckptd eager blocked / dcp.async_save", "P8 ckptd durable / dcp.save"}
+          "P8 ckptd eager blocked / dcp.async_save", "P8 ckptd durable / dcp.save",
+          "P9 commit latency after the last unit p99 (ms)"}
 
 
 def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, tmp_path):
@@ -34,7 +35,7 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
     scenarios = {r["scenario"] for r in result["rows"]}
     assert scenarios == {"P1 blocked", "P2 durable (disk, 4 MiB)", "P3 training (matmul)", "P3 training (python)",
                          "P4 monitor", "P5 peak RSS", "P6 mirror", "P7 version latency", "P7 verified load",
-                         "P8 FSDP2 blocked", "P8 FSDP2 durable"}
+                         "P8 FSDP2 blocked", "P8 FSDP2 durable", "P9 scale"}
     assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
 
     targets = result["targets"]
@@ -65,3 +66,10 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
         "ckptd fenced", "ckptd eager", "dcp.async_save", "dcp.save"}
     assert {r["method"] for r in result["rows"] if r["scenario"] == "P7 version latency"} == {
         "ckptd subscriber p50", "ckptd subscriber p99", "tracker polling 1 s p50", "tracker polling 1 s p99"}
+    # P9: both modes measured on the real monitor through node and zone relays.
+    p9 = {r["method"]: r for r in result["rows"] if r["scenario"] == "P9 scale"}
+    for mode in ("spread", "burst"):
+        latency = next(r for m, r in p9.items() if m.startswith(f"commit latency after the last unit p99, {mode}"))
+        assert 0 < latency["median"] < 60
+        calls = next(r for m, r in p9.items() if m.startswith(f"monitor calls per step, {mode}"))
+        assert calls["median"] >= 1

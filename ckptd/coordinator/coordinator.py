@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import ray
@@ -25,15 +26,15 @@ from ckptd.coordinator.lanes import Job, Lane
 from ckptd.coordinator.staging import StagingArea, tensors_of
 from ckptd.coordinator.trainer_calls import TrainerCalls
 from ckptd.coordinator.unit_runner import UnitRunner
+from ckptd.coordinator.writer_process import WRITERS, WriterProcess, check_picklable, write_flat
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
-from ckptd.manifest import WrittenFile
 from ckptd.metrics import FENCE_WAIT, SAVE_BLOCKED
 from ckptd.protocol import UnitId
 from ckptd.shared_root import remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 from ckptd.units import check_count, check_name, check_step
-from ckptd.workers.safetensors_io import check_tensors, write_safetensors
+from ckptd.workers.safetensors_io import check_tensors
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -62,6 +63,10 @@ class CheckpointCoordinator(TrainerCalls):
             flight; the next save of that name waits for one to be written. Staging memory is
             at most this many copies of the state, allocated once and reused.
         notify_timeout_s: How long notifications are retried while the monitor is unreachable.
+        writer: Where :meth:`save_state_async` writes its snapshots: ``"thread"`` (a save thread
+            of this process) or ``"process"`` (a writer process of this coordinator, with the
+            staging buffers in shared memory, so a GIL-bound training loop does not share its
+            GIL with the write, CRC-32 and fsync; see :mod:`ckptd.coordinator.writer_process`).
 
     Raises:
         CheckpointConfigError: bad arguments, or this process does not see the same storage
@@ -82,11 +87,14 @@ class CheckpointCoordinator(TrainerCalls):
         max_pending: int = 1,
         max_staged: int = 1,
         notify_timeout_s: float = 600.0,
+        writer: str = "thread",
     ) -> None:
         if check_count(max_pending, "max_pending") < 1:
             raise CheckpointConfigError("max_pending must be >= 1")
         if check_count(max_staged, "max_staged") < 1:
             raise CheckpointConfigError("max_staged must be >= 1")
+        if writer not in WRITERS:
+            raise CheckpointConfigError(f"writer must be one of {', '.join(map(repr, WRITERS))}, got {writer!r}")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
         self._client = MonitorClient(checkpoint_monitor, float(notify_timeout_s))
@@ -109,7 +117,8 @@ class CheckpointCoordinator(TrainerCalls):
                                   f"{node}:{os.getpid()}", self._outbox)
         self._fence_step: int | None = None  # the step of the fenced copies before_update waits for
         self._max_pending = max_pending
-        self._staging = StagingArea(max_staged, f"ckptd-stage-{self._worker}")
+        self._staging = StagingArea(max_staged, f"ckptd-stage-{self._worker}", shared=writer == "process")
+        self._writer = WriterProcess(self._worker) if writer == "process" else None
         self._lock = threading.Lock()
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
@@ -250,19 +259,20 @@ class CheckpointCoordinator(TrainerCalls):
         if write_fn is None:
             check_tensors(state, "state")
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
-
-            def write_fn(snapshot: Any) -> list[WrittenFile]:
-                self._storage.makedirs(path.rsplit("/", 1)[0])
-                return [write_safetensors(self._storage, path, snapshot, {"format": "pt"})]
+            write_fn = partial(write_flat, self._root_url, self._storage.storage_options, path,
+                               metadata={"format": "pt"})
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
+        elif self._writer is not None:
+            check_picklable(write_fn)
+        writer = self._writer
         snap = self._staging.snapshot(name, state, leaves, fenced)
 
         def save_fn() -> Any:
             try:
                 snap.wait()
                 phases.add(phases.STAGING, snap.copy_seconds)
-                return write_fn(snap.state)
+                return write_fn(snap.state) if writer is None else writer.run(write_fn, snap.state)
             finally:
                 snap.release()
 
@@ -345,6 +355,8 @@ class CheckpointCoordinator(TrainerCalls):
                 lanes, self._lanes = list(self._lanes.values()), {}
             for lane in lanes:
                 lane.queue.put(None)
+            if self._writer is not None:
+                self._writer.close()
             _live.discard(self)
 
     def _send_timing(self) -> None:

@@ -63,14 +63,18 @@ def _layout(leaves: list[torch.Tensor]) -> tuple:
 
 
 class BufferSet:
-    """Host tensors shaped like one state's tensors (pinned for GPU sources)."""
+    """Host tensors shaped like one state's tensors: pinned for GPU sources, or in shared memory
+    (``shared``) for a writer in another process, which then reads them without a copy."""
 
-    def __init__(self, leaves: list[torch.Tensor]) -> None:
+    def __init__(self, leaves: list[torch.Tensor], shared: bool = False) -> None:
         self.layout = _layout(leaves)
-        self.tensors = [
-            torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
-            for t in leaves
-        ]
+        if shared:
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for t in leaves]
+        else:
+            self.tensors = [
+                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+                for t in leaves
+            ]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.tensors)
 
 
@@ -81,8 +85,9 @@ class Stager:
     back-pressure that bounds staging memory to ``max_in_flight`` copies of the state.
     """
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, shared: bool = False) -> None:
         self._max = max_in_flight
+        self._shared = shared
         self._free: list[BufferSet] = []
         self._count = 0
         self._cond = threading.Condition()
@@ -105,7 +110,7 @@ class Stager:
                     break
                 self._cond.wait()
         try:
-            buf = BufferSet(leaves)
+            buf = BufferSet(leaves, self._shared)
         except BaseException:
             with self._cond:
                 self._count -= 1
@@ -234,8 +239,9 @@ class StagingArea:
     """A coordinator's staging: the buffers of each save name, and one thread for fenced copies
     (started on the first one)."""
 
-    def __init__(self, max_staged: int, thread_name: str) -> None:
+    def __init__(self, max_staged: int, thread_name: str, shared: bool = False) -> None:
         self._max_staged = max_staged
+        self._shared = shared
         self._thread_name = thread_name
         self._stagers: dict[str, Stager] = {}
         self._thread: StagingThread | None = None
@@ -252,7 +258,7 @@ class StagingArea:
         with self._lock:
             stager = self._stagers.get(name)
             if stager is None:
-                stager = self._stagers[name] = Stager(self._max_staged)
+                stager = self._stagers[name] = Stager(self._max_staged, self._shared)
         buf = stager.acquire(leaves)
         copy_job = StagedCopy(leaves, buf)
         started = False

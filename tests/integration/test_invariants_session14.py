@@ -1,0 +1,213 @@
+"""Commit-path invariants, attacked through this session's changes (issue 14: scale) with real Ray,
+real files and real monitor restarts.
+
+1. A tracker only ever names a step that ``ckptd.verify`` accepts.
+2. A step reported failed never commits, also after a monitor restart.
+3. Trinity's semantics: registrations add up per kind; a full checkpoint waits for its step's
+   state-dict units, including those that arrive after the state dict committed.
+4. Every notification counts once, whatever path it takes (shared notifier, node relay).
+
+What changed and is attacked here: the ledger's per-step tallies (rebuilt by replaying receipts
+after a restart), the per-process shared notifier, and the node relay.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import ray
+import torch
+
+import ckptd
+from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
+from ckptd.manifest import Manifest
+from ckptd.protocol import relay_name
+
+from .helpers import restart_monitor, status, wait_for
+
+CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
+
+
+def assert_trackers_verified(root: str) -> dict[ckptd.Kind, int | None]:
+    """Invariant 1: each tracker names a step whose manifest of that kind exists and verifies."""
+    named = {}
+    for kind, name in TRACKERS.items():
+        path = os.path.join(root, name)
+        step = parse_tracker(open(path).read()) if os.path.exists(path) else None
+        named[kind] = step
+        if step is not None:
+            ckptd.verify(root, step)  # raises for a missing or damaged file
+            # A full checkpoint holds the weights too: it moves the state-dict tracker as well.
+            kinds = [kind] if kind is CKPT else [SD, CKPT]
+            assert any(os.path.exists(os.path.join(ckptd.step_dir(root, step), MANIFESTS[k])) for k in kinds)
+    return named
+
+
+def _manifest(root: str, step: int, kind: ckptd.Kind) -> Manifest | None:
+    path = os.path.join(ckptd.step_dir(root, step), MANIFESTS[kind])
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Manifest.model_validate_json(f.read())
+
+
+def _writer(path: str, value: float, gate: threading.Event | None = None, fail: bool = False):
+    """A save function that writes one file (after ``gate`` opens) and names it, or raises."""
+
+    def save() -> list[str]:
+        if gate is not None:
+            assert gate.wait(60), "the test never opened the gate"
+        if fail:
+            raise OSError(f"disk full writing {os.path.basename(path)}")
+        torch.save({"w": torch.full((4,), value)}, path)
+        return [path]
+
+    return save
+
+
+def _state(monitor, step: int, kind: ckptd.Kind = CKPT):
+    return status(monitor).step(step, kind)
+
+
+def test_tallies_rebuilt_mid_step_count_finished_running_and_failed_units(make_monitor, tmp_path):
+    """A restart while a step has a finished unit, a running one and (step 2) a failed one: the
+    rebuilt ledger must count exactly the units the receipts name. Step 1 then commits only once
+    its third registered unit finishes (a rebuilt tally that lost or double-counted a unit would
+    commit early or never); step 2 stays failed though its running unit finishes after the
+    restart."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    gate = threading.Event()
+    for step in (1, 2):
+        os.makedirs(coord.step_dir(step))
+        coord.register(step, checkpoint_thread_count=3)
+        out = coord.step_dir(step)
+        coord.save_sync(_writer(os.path.join(out, "a.pt"), 1.0), step)
+        coord.save_async(f"b{step}", _writer(os.path.join(out, "b.pt"), 2.0, gate), step)
+        wait_for(lambda: len(_state(monitor, step).started) == 2, what=f"unit b of step {step} to be admitted")
+    coord.save_async("c", _writer(os.path.join(coord.step_dir(2), "c.pt"), 3.0, fail=True), 2)
+    wait_for(lambda: _state(monitor, 2).state == "failed", what="step 2 to fail")
+
+    restart_monitor(monitor)
+    s1, s2 = _state(monitor, 1), _state(monitor, 2)
+    assert (len(s1.started), len(s1.finished), s1.state) == (2, 1, "pending")
+    assert (len(s2.started), len(s2.finished), len(s2.failed), s2.state) == (3, 1, 1, "failed")
+
+    gate.set()
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_all()  # c of step 2 failed; b of both steps finished on the restarted monitor
+    # Step 1: two of three registered units finished. Not committed.
+    assert len(_state(monitor, 1).finished) == 2
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(1, timeout_s=0)
+    assert _manifest(root, 1, CKPT) is None
+    coord.save_sync(_writer(os.path.join(coord.step_dir(1), "c.pt"), 3.0), 1)
+    coord.wait_committed(1, timeout_s=30)
+    manifest = _manifest(root, 1, CKPT)
+    assert len(set(manifest.units)) == len(manifest.units) == 3
+    assert sorted(os.path.basename(f.path) for f in manifest.files) == ["a.pt", "b.pt", "c.pt"]
+
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(2, timeout_s=30)
+    coord.close()
+    assert _manifest(root, 2, CKPT) is None
+    assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}
+
+
+def test_a_state_dict_unit_after_the_state_dict_commit_survives_a_restart(make_monitor, tmp_path):
+    """Trinity's full checkpoint wraps the engine's state-dict save: the state dict of the step
+    commits first, then the full checkpoint registers one more state-dict unit and one checkpoint
+    unit. A restart while that late state-dict unit runs: the rebuilt ledger must tell the unit the
+    state dict's manifest lists from the late one, so that the checkpoint commits once both
+    finish, with every unit once (step 1), and fails if the late one fails (step 2), leaving
+    the committed state dict of that step alone."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    gate = threading.Event()
+    for step in (1, 2):
+        out = coord.step_dir(step)
+        os.makedirs(out)
+        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+        coord.save_sync(_writer(os.path.join(out, "model.pt"), 1.0), step, is_state_dict=True)
+        coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+        coord.register(step, state_dict_thread_count=1, checkpoint_thread_count=1)
+        coord.save_async(f"engine{step}", _writer(os.path.join(out, "engine.pt"), 2.0, gate, fail=step == 2), step,
+                         is_state_dict=True)
+        coord.save_sync(_writer(os.path.join(out, "optim.pt"), 3.0), step)
+    wait_for(lambda: all(len(_state(monitor, s, SD).started) == 2 for s in (1, 2)),
+             what="the late state-dict units to be admitted")
+
+    restart_monitor(monitor)
+    with pytest.raises(TimeoutError):  # the late state-dict unit is still running
+        coord.wait_committed(1, timeout_s=0)
+    gate.set()
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_all()
+    coord.wait_committed(1, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(2, timeout_s=30)
+    coord.close()
+
+    ckpt = _manifest(root, 1, CKPT)
+    assert len(set(ckpt.units)) == len(ckpt.units) == 3 and "w0/engine1" in {u.split("#")[0] for u in ckpt.units}
+    assert sorted(os.path.basename(f.path) for f in ckpt.files) == ["engine.pt", "model.pt", "optim.pt"]
+    for step in (1, 2):
+        sd = _manifest(root, step, SD)
+        assert len(sd.units) == 1 and [os.path.basename(f.path) for f in sd.files] == ["model.pt"]
+    assert _manifest(root, 2, CKPT) is None
+    # Step 2's state dict committed after step 1's checkpoint: the state-dict tracker names it.
+    assert assert_trackers_verified(root) == {SD: 2, CKPT: 1}
+
+
+def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_restart(make_monitor, tmp_path,
+                                                                                      run_name):
+    """Coordinators of one process share one notifier per monitor, whose sends go through the
+    first coordinator's client. That coordinator closes, the monitor restarts, and a coordinator
+    created before the restart and one created after it save one step together through the node
+    relay: it commits with each unit once. A report retried through the relay after the commit is
+    acknowledged (the manifest lists it), and a unit that starts then is refused."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    first = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    os.makedirs(first.step_dir(1))
+    first.register(1, checkpoint_thread_count=1)
+    first.save_sync(_writer(os.path.join(first.step_dir(1), "w0.pt"), 1.0), 1)
+    first.wait_committed(1, timeout_s=30)
+    before = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
+    first.close()
+
+    restart_monitor(monitor)
+    after = ckptd.CheckpointCoordinator(monitor, worker_id="w2")
+    out = after.step_dir(2)
+    os.makedirs(out)
+    after.register(2, checkpoint_thread_count=4)
+    for coord in (before, after):
+        for u in range(2):
+            coord.save_async(f"u{u}", _writer(os.path.join(out, f"{coord.worker_id}-{u}.pt"), float(u)), 2)
+    for coord in (before, after):
+        coord.wait_all()
+    # One notifier in this process carried both coordinators' notifications.
+    assert before._client._notifier is after._client._notifier
+    after.wait_committed(2, timeout_s=30)
+    units = _manifest(root, 2, CKPT).units
+    assert sorted(u.split("#")[0] for u in units) == ["w1/u0", "w1/u1", "w2/u0", "w2/u1"]
+
+    relay = ray.get_actor(relay_name(run_name, ray.get_runtime_context().get_node_id()))
+    key = sorted(units)[0]
+    worker_name, call = key.split("#")
+    worker, name = worker_name.split("/")
+    unit = {"worker": worker, "name": name, "step": 2, "kind": "checkpoint", "call": call}
+    files = [f.model_dump() for f in _manifest(root, 2, CKPT).files if f.path == f"{worker}-{name}.pt"]
+    late = {**unit, "name": "late", "call": call + "x"}
+    answers = ray.get(relay.relay.remote([("finished", unit, {"files": files, "found": False}),
+                                          ("started", late, None)]), timeout=60)
+    assert answers[0] is None
+    assert "already committed" in answers[1]["refused"]
+    for coord in (before, after):
+        coord.close()
+    assert _manifest(root, 2, CKPT).units == units
+    assert assert_trackers_verified(root) == {SD: 2, CKPT: 2}

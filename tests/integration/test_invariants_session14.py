@@ -211,3 +211,43 @@ def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_r
         coord.close()
     assert _manifest(root, 2, CKPT).units == units
     assert assert_trackers_verified(root) == {SD: 2, CKPT: 2}
+
+
+def test_a_relay_killed_while_the_monitor_restarts_loses_no_notification(make_monitor, tmp_path, run_name):
+    """The node relay is killed while the monitor is being restarted, with a unit's "finished"
+    still to come: the coordinator sends through a new relay to the restarted monitor, and the
+    step commits with each registered unit exactly once; the next step goes the same way."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    gate = threading.Event()
+    out = coord.step_dir(1)
+    os.makedirs(out)
+    coord.register(1, checkpoint_thread_count=2)
+    coord.save_async("u0", _writer(os.path.join(out, "u0.pt"), 0.0), 1)
+    coord.save_async("u1", _writer(os.path.join(out, "u1.pt"), 1.0, gate), 1)
+    wait_for(lambda: len(_state(monitor, 1).started) == 2 and len(_state(monitor, 1).finished) == 1,
+             what="u0 to finish and u1 to be admitted")
+    name = relay_name(run_name, ray.get_runtime_context().get_node_id())
+    relay_pid = ray.get(ray.get_actor(name).stats.remote())["pid"]
+    monitor_pid = ray.get(monitor.ping.remote())["pid"]
+
+    ray.kill(monitor, no_restart=False)
+    ray.kill(ray.get_actor(name), no_restart=True)
+    gate.set()
+    coord.wait_all()
+    coord.wait_committed(1, timeout_s=60)
+    assert ray.get(monitor.ping.remote())["pid"] != monitor_pid
+    assert ray.get(ray.get_actor(name).stats.remote())["pid"] != relay_pid  # a new relay carried u1
+    manifest = _manifest(root, 1, CKPT)
+    assert sorted(u.split("#")[0] for u in manifest.units) == ["w0/u0", "w0/u1"]
+
+    out = coord.step_dir(2)
+    os.makedirs(out)
+    coord.register(2, checkpoint_thread_count=1)
+    coord.save_async("u0", _writer(os.path.join(out, "u0.pt"), 2.0), 2)
+    coord.wait_all()
+    coord.wait_committed(2, timeout_s=30)
+    coord.close()
+    assert [u.split("#")[0] for u in _manifest(root, 2, CKPT).units] == ["w0/u0"]
+    assert assert_trackers_verified(root) == {SD: 2, CKPT: 2}

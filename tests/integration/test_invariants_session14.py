@@ -251,3 +251,32 @@ def test_a_relay_killed_while_the_monitor_restarts_loses_no_notification(make_mo
     coord.close()
     assert [u.split("#")[0] for u in _manifest(root, 2, CKPT).units] == ["w0/u0"]
     assert assert_trackers_verified(root) == {SD: 2, CKPT: 2}
+
+
+def test_more_units_than_registered_hold_the_step_until_a_registration_after_a_restart(make_monitor, tmp_path):
+    """Two units finish where one was registered: the step is held, not committed with either
+    (Trinity's counters allow a later registration to add the count). After a restart the
+    rebuilt tallies still hold two finished units, so one more registration commits the step with
+    both, and a unit retried after the commit changes nothing."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    out = coord.step_dir(1)
+    os.makedirs(out)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.save_async("a", _writer(os.path.join(out, "a.pt"), 1.0), 1)
+    coord.save_async("b", _writer(os.path.join(out, "b.pt"), 2.0), 1)
+    coord.wait_all()
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(1, timeout_s=0)
+
+    restart_monitor(monitor)
+    s = _state(monitor, 1)
+    assert (len(s.finished), s.expected, s.state) == (2, 1, "pending")
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=30)
+    coord.close()
+    manifest = _manifest(root, 1, CKPT)
+    assert sorted(u.split("#")[0] for u in manifest.units) == ["w0/a", "w0/b"]
+    assert sorted(os.path.basename(f.path) for f in manifest.files) == ["a.pt", "b.pt"]
+    assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}

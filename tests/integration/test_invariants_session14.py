@@ -87,7 +87,7 @@ def test_tallies_rebuilt_mid_step_count_finished_running_and_failed_units(make_m
         out = coord.step_dir(step)
         coord.save_sync(_writer(os.path.join(out, "a.pt"), 1.0), step)
         coord.save_async(f"b{step}", _writer(os.path.join(out, "b.pt"), 2.0, gate), step)
-        wait_for(lambda: len(_state(monitor, step).started) == 2, what=f"unit b of step {step} to be admitted")
+        wait_for(lambda s=step: len(_state(monitor, s).started) == 2, what=f"unit b of step {step} to be admitted")
     coord.save_async("c", _writer(os.path.join(coord.step_dir(2), "c.pt"), 3.0, fail=True), 2)
     wait_for(lambda: _state(monitor, 2).state == "failed", what="step 2 to fail")
 
@@ -279,4 +279,51 @@ def test_more_units_than_registered_hold_the_step_until_a_registration_after_a_r
     manifest = _manifest(root, 1, CKPT)
     assert sorted(u.split("#")[0] for u in manifest.units) == ["w0/a", "w0/b"]
     assert sorted(os.path.basename(f.path) for f in manifest.files) == ["a.pt", "b.pt"]
+    assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}
+
+
+def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_monitor, tmp_path, run_name):
+    """A relay merges the notifications of every coordinator of its node into one monitor call.
+    One the monitor cannot read (a newer coordinator's unit kind, a file entry with a field it
+    does not know) used to raise out of the whole call after the events before it were applied:
+    every coordinator in the batch was told its notification failed, some of which had counted
+    (a save reported failed to its caller, and committed). Now it is refused alone; an
+    unreadable failure still fails its unit's step."""
+    from ckptd.coordinator.relay import start_relay
+    from ckptd.manifest import crc32_file
+    from ckptd.storage import Storage
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(1, checkpoint_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    node = ray.get_runtime_context().get_node_id()
+    relay = start_relay(run_name, None, node, 30.0, None, node)
+
+    good = {"worker": "w9", "name": "u", "step": 1, "kind": "checkpoint", "call": "c1"}
+    newer = {**good, "call": "c2", "kind": "optimizer_state"}
+    other = {**good, "step": 2, "call": "c3"}
+    answers = ray.get(relay.relay.remote([("started", good, None), ("started", newer, None),
+                                          ("started", other, None)]), timeout=60)
+    assert answers[0] == answers[2] == {"admitted": True}
+    assert "cannot read" in answers[1]["refused"]
+
+    os.makedirs(coord.step_dir(1))
+    path = os.path.join(coord.step_dir(1), "u.pt")
+    _writer(path, 1.0)()
+    size, crc = crc32_file(Storage(root), path)
+    entry = {"path": "u.pt", "size": size, "crc32": crc, "mtime_ns": os.stat(path).st_mtime_ns}
+    answers = ray.get(relay.relay.remote([("finished", good, {"files": [{**entry, "digest": "x"}]}),
+                                          ("failed", other, {"unit": "w9/u", "bogus": 1})]), timeout=60)
+    assert "cannot read" in answers[0]["refused"] and answers[1] is None
+    with pytest.raises(TimeoutError):  # the unreadable report did not count
+        coord.wait_committed(1, timeout_s=0)
+    with pytest.raises(ckptd.CheckpointSaveError, match="UnreadableFailure"):
+        coord.wait_committed(2, timeout_s=30)
+    assert ray.get(relay.relay.remote([("finished", good, {"files": [entry], "found": False})]), timeout=60) == [None]
+    coord.wait_committed(1, timeout_s=30)
+    coord.close()
+    assert [u.split("#")[0] for u in _manifest(root, 1, CKPT).units] == ["w9/u"]
+    assert _manifest(root, 2, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}

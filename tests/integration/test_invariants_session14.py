@@ -327,3 +327,29 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
     assert [u.split("#")[0] for u in _manifest(root, 1, CKPT).units] == ["w9/u"]
     assert _manifest(root, 2, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}
+
+
+def test_a_monitor_killed_while_a_relay_holds_a_batch_counts_it_once(make_monitor, tmp_path, run_name, monkeypatch):
+    """The relay holds a batch (failpoint relay_before_forward=delay) while the monitor is killed
+    and restarted: the relay forwards it to the restarted monitor, which rebuilt its ledger
+    from storage, and the step commits with each unit once."""
+    once = tmp_path / "once"
+    monkeypatch.setenv("CKPTD_FAILPOINTS", "relay_before_forward=delay:3")  # reaches the relays it starts
+    monkeypatch.setenv("CKPTD_FAILPOINTS_ONCE", str(once))
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    monitor_pid = ray.get(monitor.ping.remote())["pid"]
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    out = coord.step_dir(1)
+    os.makedirs(out)
+    coord.register(1, checkpoint_thread_count=2)
+    for u in range(2):
+        coord.save_async(f"u{u}", _writer(os.path.join(out, f"u{u}.pt"), float(u)), 1)
+    wait_for(lambda: (once / "relay_before_forward").exists(), what="the relay to hold a batch")
+    ray.kill(monitor, no_restart=False)
+    coord.wait_all()
+    coord.wait_committed(1, timeout_s=60)
+    coord.close()
+    assert ray.get(monitor.ping.remote())["pid"] != monitor_pid
+    assert sorted(u.split("#")[0] for u in _manifest(root, 1, CKPT).units) == ["w0/u0", "w0/u1"]
+    assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}

@@ -33,8 +33,8 @@ class UnitReports:
         {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
         ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
         changed a committed file), else None. ``("failed", unit, failure)`` answers None.
-        A notification the monitor cannot read is refused alone (a failure is recorded as an
-        unreadable one); the others of its batch still apply.
+        A notification the monitor cannot read is refused alone (and fails its unit if it reports
+        the unit's end); the others of its batch still apply.
         """
         results = []
         for event, unit, payload in events:
@@ -68,19 +68,19 @@ class UnitReports:
 
     async def _unreadable(self, event: str, unit: Any, error: Exception) -> dict | None:
         """The answer to a notification the monitor cannot parse (a newer coordinator's, say): a
-        refusal, so that the unit does not count; a failure whose details are unreadable still
-        fails its unit, if the unit can be named."""
+        refusal, so that it does not count. A report of an end ("finished" or "failed") whose unit
+        can be named fails that unit, so that its step fails now rather than at its timeout."""
         why = (f"the monitor cannot read this {event!r} notification ({type(error).__name__}: {error}); "
                "are the coordinators and the monitor the same version of ckptd?")
         log.error("%s", why)
-        if event == "failed":
+        if event in ("finished", "failed"):
             try:
                 uid = UnitId.from_dict(unit)
             except (KeyError, TypeError, ValueError):
-                return None
-            await self._failed(uid, UnitFailure(unit=uid.label, error_type="UnreadableFailure", message=why))
-            return None
-        return {"refused": why}
+                uid = None
+            if uid is not None:
+                await self._failed(uid, UnitFailure(unit=uid.label, error_type="UnreadableReport", message=why))
+        return None if event == "failed" else {"refused": why}
 
     async def _admit(self, uid: UnitId) -> str | None:
         if uid.step in self._committing:

@@ -243,8 +243,9 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
     One the monitor cannot read (a newer coordinator's unit kind, a file entry with a field it
     does not know) used to raise out of the whole call after the events before it were applied:
     every coordinator in the batch was told its notification failed, some of which had counted
-    (a save reported failed to its caller, and committed). Now it is refused alone; an
-    unreadable failure still fails its unit's step."""
+    (a save reported failed to its caller, and committed), and the events after it were lost.
+    Now it is refused alone, and the rest of its batch applies; an unreadable report of a unit's
+    end fails that unit's step at once."""
     from ckptd.coordinator.relay import start_relay
     from ckptd.manifest import crc32_file
     from ckptd.storage import Storage
@@ -252,17 +253,17 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(1, checkpoint_thread_count=1)
-    coord.register(2, checkpoint_thread_count=1)
+    for step in (1, 2, 3):
+        coord.register(step, checkpoint_thread_count=1)
     node = ray.get_runtime_context().get_node_id()
     relay = start_relay(run_name, None, node, 30.0, None, node)
 
     good = {"worker": "w9", "name": "u", "step": 1, "kind": "checkpoint", "call": "c1"}
     newer = {**good, "call": "c2", "kind": "optimizer_state"}
-    other = {**good, "step": 2, "call": "c3"}
+    second, third = {**good, "step": 2, "call": "c3"}, {**good, "step": 3, "call": "c4"}
     answers = ray.get(relay.relay.remote([("started", good, None), ("started", newer, None),
-                                          ("started", other, None)]), timeout=60)
-    assert answers[0] == answers[2] == {"admitted": True}
+                                          ("started", second, None), ("started", third, None)]), timeout=60)
+    assert answers[0] == answers[2] == answers[3] == {"admitted": True}
     assert "cannot read" in answers[1]["refused"]
 
     os.makedirs(coord.step_dir(1))
@@ -270,20 +271,18 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
     _writer(path, 1.0)()
     size, crc = crc32_file(Storage(root), path)
     entry = {"path": "u.pt", "size": size, "crc32": crc, "mtime_ns": os.stat(path).st_mtime_ns}
-    answers = ray.get(relay.relay.remote([("finished", good, {"files": [{**entry, "digest": "x"}]}),
-                                          ("failed", other, {"unit": "w9/u", "bogus": 1})]), timeout=60)
-    assert "cannot read" in answers[0]["refused"] and answers[1] is None
-    with pytest.raises(TimeoutError):  # the unreadable report did not count
-        coord.wait_committed(1, timeout_s=0)
-    with pytest.raises(ckptd.CheckpointSaveError, match="UnreadableFailure"):
-        coord.wait_committed(2, timeout_s=30)
-    assert ray.get(relay.relay.remote([("finished", good, {"files": [entry], "found": False})]), timeout=60) == [None]
-    coord.wait_committed(1, timeout_s=30)
+    answers = ray.get(relay.relay.remote([("finished", second, {"files": [{**entry, "digest": "x"}]}),
+                                          ("finished", good, {"files": [entry], "found": False}),
+                                          ("failed", third, {"unit": "w9/u", "bogus": 1})]), timeout=60)
+    assert "cannot read" in answers[0]["refused"] and answers[1:] == [None, None]
+    coord.wait_committed(1, timeout_s=30)  # the report after the unreadable one counted
+    for step in (2, 3):
+        with pytest.raises(ckptd.CheckpointSaveError, match="UnreadableReport"):
+            coord.wait_committed(step, timeout_s=30)
     coord.close()
     assert [u.split("#")[0] for u in _manifest(root, 1, CKPT).units] == ["w9/u"]
-    assert _manifest(root, 2, CKPT) is None
+    assert _manifest(root, 2, CKPT) is None and _manifest(root, 3, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}
-
 
 def test_a_monitor_killed_while_a_relay_holds_a_batch_counts_it_once(make_monitor, tmp_path, run_name, monkeypatch):
     """The relay holds a batch (failpoint relay_before_forward=delay) while the monitor is killed

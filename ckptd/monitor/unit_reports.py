@@ -36,6 +36,8 @@ class UnitReports:
         {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
         ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
         changed a committed file), else None. ``("failed", unit, failure)`` answers None.
+        A notification the monitor cannot read is refused alone (and fails its unit if it reports
+        the unit's end); the others of its batch still apply.
         """
         results = []
         for i, (event, unit, payload) in enumerate(events):
@@ -54,18 +56,39 @@ class UnitReports:
                     log.error("ignoring unknown notification %r", event)
                 results.append(None)
                 continue
-            uid = UnitId.from_dict(unit)
+            try:
+                uid, parsed = _parse(event, unit, payload)
+            except (KeyError, TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+                # Answered for this event alone: raising would fail every event batched with it
+                # (through a relay, other coordinators' too) after applying those before it.
+                results.append(await self._unreadable(event, unit, e))
+                continue
             if event == "started":
                 why = await self._admit(uid)
                 results.append({"refused": why} if why else {"admitted": True})
             elif event == "finished":
-                body = payload if isinstance(payload, dict) else {"files": payload}
-                results.append(await self._finished(uid, [FileEntry(**f) for f in body["files"]],
-                                                    bool(body.get("found", False))))
+                files, found = parsed
+                results.append(await self._finished(uid, files, found))
             else:
-                await self._failed(uid, UnitFailure(**payload))
+                await self._failed(uid, parsed)
                 results.append(None)
         return results
+
+    async def _unreadable(self, event: str, unit: Any, error: Exception) -> dict | None:
+        """The answer to a notification the monitor cannot parse (a newer coordinator's, say): a
+        refusal, so that it does not count. A report of an end ("finished" or "failed") whose unit
+        can be named fails that unit, so that its step fails now rather than at its timeout."""
+        why = (f"the monitor cannot read this {event!r} notification ({type(error).__name__}: {error}); "
+               "are the coordinators and the monitor the same version of ckptd?")
+        log.error("%s", why)
+        if event in ("finished", "failed"):
+            try:
+                uid = UnitId.from_dict(unit)
+            except (KeyError, TypeError, ValueError):
+                uid = None
+            if uid is not None:
+                await self._failed(uid, UnitFailure(unit=uid.label, error_type="UnreadableReport", message=why))
+        return None if event == "failed" else {"refused": why}
 
     async def _admit(self, uid: UnitId) -> str | None:
         if uid.step in self._committing:
@@ -161,3 +184,15 @@ class UnitReports:
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
             self._metrics.inc(FAILED_UNITS, kind=uid.kind)
         await self._after_change(rec)
+
+
+def _parse(event: str, unit: Any, payload: Any) -> tuple[UnitId, Any]:
+    """A notification's unit, and what its event carries: (files, found) for "finished", the
+    UnitFailure for "failed". Raises KeyError, TypeError or ValueError for one it cannot read."""
+    uid = UnitId.from_dict(unit)
+    if event == "finished":
+        body = payload if isinstance(payload, dict) else {"files": payload}
+        return uid, ([FileEntry(**f) for f in body["files"]], bool(body.get("found", False)))
+    if event == "failed":
+        return uid, UnitFailure(**payload)
+    return uid, None

@@ -55,8 +55,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ram-dir", default="/dev/shm",
                    help="RAM-backed directory for the second P2 run ('' to skip it)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size (AdamW adds twice as much state)")
-    p.add_argument("--p3-variants", default="matmul,python",
-                   help="P3 training stand-ins: matmul (MLP on one torch thread), python (GIL-bound step)")
+    p.add_argument("--p3-variants", default="matmul,python,python-process",
+                   help="P3 training stand-ins: matmul (MLP on one torch thread), python (GIL-bound step); "
+                        "-process: with CheckpointCoordinator(writer='process')")
     p.add_argument("--train-steps", type=int, default=12, help="P3 matmul: steps per block")
     p.add_argument("--ckpt-every", type=int, default=6, help="P3 matmul: checkpoint every k steps")
     p.add_argument("--py-steps", type=int, default=120, help="P3 python: steps per block")
@@ -150,7 +151,7 @@ def run_saves(args: argparse.Namespace, only: set[str], out: Results) -> None:
             out.lap("P2 disk")
         if "P3" in only:
             for variant in (v.strip() for v in args.p3_variants.split(",") if v.strip()):
-                steps, every = ((args.train_steps, args.ckpt_every) if variant == "matmul"
+                steps, every = ((args.train_steps, args.ckpt_every) if variant.startswith("matmul")
                                 else (args.py_steps, args.py_every))
                 rows, comps, phases = p3_training(h, variant, args.model_mib, steps, every, args.pairs,
                                                   args.context_reps if variant == "matmul" else 0,

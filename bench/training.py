@@ -27,9 +27,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+import ckptd
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
@@ -57,14 +59,23 @@ def python_work(ops: int) -> float:
     return float(acc[0]) + len(stats)
 
 
+def write_optim(out: str, snapshot: dict) -> list:
+    """The optimizer's state into ``out/optim.pt`` (module level: a writer process can run it)."""
+    storage = Storage(out)
+    storage.makedirs(storage.root)
+    return [write_torch(storage, storage.join("optim.pt"), snapshot)]
+
+
 class _Loop:
     """The model, its optimizer and one training step of the chosen stand-in."""
 
-    def __init__(self, h: SaveHarness, variant: str, model_mib: int, width: int, py_ops: int) -> None:
+    def __init__(self, h: SaveHarness, variant: str, model_mib: int, width: int, py_ops: int,
+                 coord: ckptd.CheckpointCoordinator | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"unknown P3 variant {variant!r}; use one of {VARIANTS}")
         torch.manual_seed(0)
         self.h, self.variant, self.py_ops = h, variant, py_ops
+        self.coord = coord or h.coord
         self.model = _model(model_mib, width)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randn(16, width)
@@ -91,21 +102,15 @@ class _Loop:
 
     def _fence(self) -> None:
         t0 = time.perf_counter()
-        self.h.coord.before_update()  # fenced copies of the last checkpoint must be done
+        self.coord.before_update()  # fenced copies of the last checkpoint must be done
         self.blocked += time.perf_counter() - t0
 
     def _save_ckptd(self, step: int) -> None:
-        out = self.h.coord.step_dir(step)
-
-        def write_optim(snapshot, out=out):
-            storage = Storage(out)
-            storage.makedirs(storage.root)
-            return [write_torch(storage, storage.join("optim.pt"), snapshot)]
-
+        out = self.coord.step_dir(step)
         t0 = time.perf_counter()
-        self.h.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
-        self.h.coord.save_state_async("optim", self.opt.state_dict(), step, write_optim, fenced=True)
-        self.h.coord.register(step, checkpoint_thread_count=2)
+        self.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
+        self.coord.save_state_async("optim", self.opt.state_dict(), step, partial(write_optim, out), fenced=True)
+        self.coord.register(step, checkpoint_thread_count=2)
         self.blocked += time.perf_counter() - t0
 
     def _save_sync(self) -> None:
@@ -137,8 +142,8 @@ class _Loop:
             self.step(fence)
         per_step = (time.perf_counter() - t0) / steps
         if last is not None:  # not timed: the next block starts with no save in flight
-            self.h.coord.wait_all()
-            self.h.coord.wait_committed(last, timeout_s=600)
+            self.coord.wait_all()
+            self.coord.wait_committed(last, timeout_s=600)
         return per_step
 
 
@@ -146,10 +151,24 @@ def p3_training(h: SaveHarness, variant: str, model_mib: int, steps: int, every:
                 sync_blocks: int, width: int = 2048, py_ops: int = 6000,
                 ) -> tuple[list[Row], list[Comparison], breakdown.Breakdown]:
     """Rows (seconds per step of each block), the slowdown comparison and ckptd's phases."""
-    loop = _Loop(h, variant, model_mib, width, py_ops)
+    stand_in, _, writer = variant.partition("-")
+    coord = (ckptd.CheckpointCoordinator(h.monitor, worker_id=f"bench-{variant}", writer=writer)
+             if writer else None)
+    try:
+        return _p3(h, variant, _Loop(h, stand_in, model_mib, width, py_ops, coord), steps, every, pairs,
+                   sync_blocks, py_ops)
+    finally:
+        if coord is not None:
+            coord.close()
+
+
+def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs: int, sync_blocks: int,
+        py_ops: int) -> tuple[list[Row], list[Comparison], breakdown.Breakdown]:
     scenario = f"P3 training ({variant})"
-    what = ("MLP forward+backward+AdamW, 1 torch thread" if variant == "matmul"
+    what = ("MLP forward+backward+AdamW, 1 torch thread" if loop.variant == "matmul"
             else f"GIL-bound step: {py_ops} tiny tensor ops + dict updates, in-place weight update")
+    if loop.coord is not h.coord:
+        what += "; writer='process' (the write, CRC-32 and fsync in a writer process)"
     note = (f"{loop.nbytes / MiB:.0f} MiB model + AdamW state, {what}; blocks of {steps} steps, "
             f"a full checkpoint every {every} steps ({-(-steps // every)} per block)")
     base, ck = Row(scenario, "no checkpointing", "s/step", note=note), Row(scenario, "ckptd (fenced staging)",
@@ -171,7 +190,7 @@ def p3_training(h: SaveHarness, variant: str, model_mib: int, steps: int, every:
     loop.block("ckptd", steps, every)
     a, b = interleave(run_ckptd, lambda: loop.block("none", steps, every), pairs)
     ck.samples, base.samples = a, b
-    breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)
+    breakdown.collect(h.monitor, saved, loop.coord.worker_id, phases)
     rows = [base, ck, blocked, net]
     if sync_blocks:
         sync = Row(scenario, "torch.save + fsync, synchronous", "s/step", note=f"context: {sync_blocks} blocks")

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 PAIRED = {"P1 eager blocked / memcpy", "P1 fenced blocked / memcpy",
           "P2 ckptd durable / safetensors+fsync (disk, 4 MiB)", "P3 ckptd slowdown % (matmul)",
-          "P3 ckptd slowdown % (python)"}
+          "P3 ckptd slowdown % (python)", "P3 ckptd slowdown % (python-process)"}
 SINGLE = {"P4 commit latency p50 (ms)", "P4 commit latency p99 (ms)", "P4 notifications per second",
           "P5 ckptd peak RSS / state", "P7 subscriber latency p50 (ms)",
           "P7 ckptd load_into / load_file+load_state_dict", "P8 ckptd fenced blocked / dcp.async_save",
@@ -34,6 +34,7 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
     result = json.loads(out.read_text())
     scenarios = {r["scenario"] for r in result["rows"]}
     assert scenarios == {"P1 blocked", "P2 durable (disk, 4 MiB)", "P3 training (matmul)", "P3 training (python)",
+                         "P3 training (python-process)",
                          "P4 monitor", "P5 peak RSS", "P6 mirror", "P7 version latency", "P7 verified load",
                          "P8 FSDP2 blocked", "P8 FSDP2 durable", "P9 scale"}
     assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
@@ -57,7 +58,8 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
     # ckptd's own phase timings, read back from the monitor's timeline after the measured saves.
     assert "| " + " | ".join(ALL) + " |" in proc.stdout
     labels = {b["label"]: b for b in result["phases"]}
-    assert {"P1 eager 4 MiB", "P1 fenced 4 MiB", "P2 disk 4 MiB", "P3 matmul", "P3 python"} <= set(labels)
+    assert {"P1 eager 4 MiB", "P1 fenced 4 MiB", "P2 disk 4 MiB", "P3 matmul", "P3 python",
+            "P3 python-process"} <= set(labels)
     for label, b in labels.items():
         # 3 pairs: one save per P1/P2 pair, two per P3 block (every 2 or 3 steps of 4 or 6).
         assert b["steps"] == (6 if label.startswith("P3") else 3) and b["durable_ms"] > 0, b

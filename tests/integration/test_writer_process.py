@@ -1,0 +1,92 @@
+"""CheckpointCoordinator(writer="process"): staged snapshots written by a separate process from
+shared-memory buffers; what it writes, where it runs, what it refuses, and a writer that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+from functools import partial
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptd
+from ckptd.storage import Storage
+from ckptd.workers.files import write_torch
+
+from .helpers import wait_all, wait_for
+
+
+def write_with_pid(out: str, gate: str | None, snapshot: dict) -> list:
+    """Writes the snapshot and the writing process's pid; with ``gate``, waits for that file first."""
+    if gate is not None:
+        with open(f"{gate}.waiting", "w") as f:
+            f.write(str(os.getpid()))
+        wait_for(lambda: os.path.exists(gate), timeout_s=60, what="the gate")
+    storage = Storage(out)
+    storage.makedirs(storage.root)
+    with open(os.path.join(out, "pid.txt"), "w") as f:
+        f.write(str(os.getpid()))
+    return [write_torch(storage, storage.join("optim.pt"), snapshot), os.path.join(out, "pid.txt")]
+
+
+def test_the_writer_process_writes_the_fenced_snapshot_not_the_changed_tensors(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w0", writer="process")
+    model = {"w": torch.randn(1000), "b": torch.arange(10)}
+    optim = {"state": {0: {"exp_avg": torch.randn(50)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    expected = []
+    for step in (1, 2):
+        expected.append({k: v.clone() for k, v in model.items()})
+        out = coord.step_dir(step)
+        coord.save_state_async("model", model, step, fenced=True)
+        coord.save_state_async("optim", optim, step, partial(write_with_pid, out, None), fenced=True)
+        coord.register(step, checkpoint_thread_count=2)
+        coord.before_update()
+        model["w"].add_(1.0)  # the optimizer step: the snapshot must not see it
+        optim["state"][0]["exp_avg"].mul_(2)
+    assert wait_all(coord) is None
+    coord.wait_committed(2, timeout_s=60)
+    for step, want in zip((1, 2), expected, strict=True):
+        got = load_file(os.path.join(root, f"global_step_{step}", "model.safetensors"))
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+        ckptd.verify(root, step)
+    with open(os.path.join(root, "global_step_2", "pid.txt")) as f:
+        writer_pid = int(f.read())
+    assert writer_pid != os.getpid() and writer_pid == coord._writer.pid
+    coord.close()
+    assert coord._writer.pid is None  # closed with the coordinator
+
+
+def test_a_write_fn_a_writer_process_cannot_run_is_refused_before_anything_is_written(make_monitor, tmp_path):
+    coord = ckptd.CheckpointCoordinator(make_monitor(str(tmp_path / "ckpt")), worker_id="w0", writer="process")
+    with pytest.raises(ckptd.CheckpointConfigError, match="module-level function"):
+        coord.save_state_async("optim", {"t": torch.ones(2)}, 1, lambda sd: [])
+    assert coord._writer.pid is None  # nothing started
+    with pytest.raises(ckptd.CheckpointConfigError, match="writer must be one of"):
+        ckptd.CheckpointCoordinator(make_monitor(str(tmp_path / "ckpt")), writer="fork")
+    coord.close()
+
+
+def test_a_writer_process_killed_mid_write_fails_that_save_and_the_next_gets_a_new_one(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w0", writer="process")
+    gate = str(tmp_path / "gate")
+    coord.register(1, checkpoint_thread_count=1)
+    coord.save_state_async("optim", {"t": torch.ones(4)}, 1, partial(write_with_pid, coord.step_dir(1), gate))
+    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
+    with open(f"{gate}.waiting") as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+    error = wait_all(coord)
+    assert error is not None and "writer process of w0 died" in error and "exit code -9" in error
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(1, timeout_s=30)  # the step failed, never committed
+
+    open(gate, "w").close()
+    coord.register(2, checkpoint_thread_count=1)
+    coord.save_state_async("optim", {"t": torch.ones(4)}, 2, partial(write_with_pid, coord.step_dir(2), gate))
+    assert wait_all(coord) is None
+    coord.wait_committed(2, timeout_s=60)
+    assert ckptd.latest_step(root) == 2
+    coord.close()

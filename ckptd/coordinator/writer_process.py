@@ -131,6 +131,7 @@ class WriterProcess:
                         raise EOFError
                 ok, value, totals = self._results.recv()
             except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+                self._proc.join(5)  # its pipe closes before the process is reaped
                 code = self._proc.exitcode
                 self._proc = None
                 raise WriterProcessError(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +15,7 @@ import ray
 import torch
 
 import ckptd
+from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
 
 
 @ray.remote(num_cpus=0)
@@ -278,3 +282,34 @@ def commit_fsdp_step(job, monitor, units_per_rank: int = 2, timeout_s: float = 6
 def differing(a: dict, b: dict) -> list[str]:
     """The names whose tensors differ between two full states (or that only one has)."""
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def assert_trackers_verified(root: str) -> dict[ckptd.Kind, int | None]:
+    """Invariant 1: each tracker names a step whose manifest of that kind exists and verifies."""
+    named = {}
+    for kind, name in TRACKERS.items():
+        path = os.path.join(root, name)
+        step = parse_tracker(open(path).read()) if os.path.exists(path) else None
+        named[kind] = step
+        if step is not None:
+            ckptd.verify(root, step)  # raises for a missing or damaged file
+            # A full checkpoint holds the weights too: it moves the state-dict tracker as well.
+            kinds = [kind] if kind is ckptd.Kind.CHECKPOINT else list(ckptd.Kind)
+            assert any(os.path.exists(os.path.join(ckptd.step_dir(root, step), MANIFESTS[k])) for k in kinds)
+    return named
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_bench_smoke(tmp_path, only: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``python -m bench --smoke --only ONLY`` on the suite's Ray instance (its RAY_AUTH_MODE
+    included: the bench joins it instead of starting one); its output and JSON results."""
+    out = tmp_path / "results.json"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--only", only, "--json", str(out),
+                           "--dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
+    return proc, result

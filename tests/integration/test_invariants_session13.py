@@ -17,22 +17,10 @@ import ray
 import torch
 
 import ckptd
-from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
+from ckptd.layout import MANIFESTS
 from ckptd.manifest import Manifest
 
-
-def assert_trackers_verified(root: str) -> dict[ckptd.Kind, int | None]:
-    """Invariant 1: each tracker names a step whose manifest of that kind exists and verifies."""
-    named = {}
-    for kind, name in TRACKERS.items():
-        path = os.path.join(root, name)
-        step = parse_tracker(open(path).read()) if os.path.exists(path) else None
-        named[kind] = step
-        if step is not None:
-            ckptd.verify(root, step)  # raises for a missing or damaged file
-            if kind is ckptd.Kind.CHECKPOINT:
-                assert os.path.exists(os.path.join(ckptd.step_dir(root, step), MANIFESTS[kind]))
-    return named
+from .helpers import assert_trackers_verified
 
 
 def _restart(monitor) -> None:

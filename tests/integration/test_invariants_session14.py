@@ -21,28 +21,13 @@ import ray
 import torch
 
 import ckptd
-from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
+from ckptd.layout import MANIFESTS
 from ckptd.manifest import Manifest
 from ckptd.protocol import relay_name
 
-from .helpers import restart_monitor, status, wait_for
+from .helpers import assert_trackers_verified, restart_monitor, status, wait_for
 
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
-
-
-def assert_trackers_verified(root: str) -> dict[ckptd.Kind, int | None]:
-    """Invariant 1: each tracker names a step whose manifest of that kind exists and verifies."""
-    named = {}
-    for kind, name in TRACKERS.items():
-        path = os.path.join(root, name)
-        step = parse_tracker(open(path).read()) if os.path.exists(path) else None
-        named[kind] = step
-        if step is not None:
-            ckptd.verify(root, step)  # raises for a missing or damaged file
-            # A full checkpoint holds the weights too: it moves the state-dict tracker as well.
-            kinds = [kind] if kind is CKPT else [SD, CKPT]
-            assert any(os.path.exists(os.path.join(ckptd.step_dir(root, step), MANIFESTS[k])) for k in kinds)
-    return named
 
 
 def _manifest(root: str, step: int, kind: ckptd.Kind) -> Manifest | None:

@@ -26,7 +26,7 @@ from ckptd.coordinator.lanes import Job, Lane
 from ckptd.coordinator.staging import StagingArea, tensors_of
 from ckptd.coordinator.trainer_calls import TrainerCalls
 from ckptd.coordinator.unit_runner import UnitRunner
-from ckptd.coordinator.writer_process import WRITERS, WriterProcess, check_picklable, write_flat
+from ckptd.coordinator.writer_process import WRITERS, WriterProcess, check_picklable, write_flat, write_flat_into
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from ckptd.metrics import FENCE_WAIT, SAVE_BLOCKED
 from ckptd.protocol import UnitId
@@ -259,8 +259,9 @@ class CheckpointCoordinator(TrainerCalls):
         if write_fn is None:
             check_tensors(state, "state")
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
-            write_fn = partial(write_flat, self._root_url, self._storage.storage_options, path,
-                               metadata={"format": "pt"})
+            write_fn = (partial(write_flat_into, self._storage, path, metadata={"format": "pt"}) if self._writer is None
+                        else partial(write_flat, self._root_url, self._storage.storage_options, path,
+                                     metadata={"format": "pt"}))
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
         elif self._writer is not None:

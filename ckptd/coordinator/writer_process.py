@@ -38,14 +38,18 @@ log = logging.getLogger("ckptd.coordinator")
 WRITERS = ("thread", "process")
 
 
-def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
-               metadata: dict[str, str]) -> list[WrittenFile]:
+def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[str, str]) -> list[WrittenFile]:
     """The default writer of ``save_state_async``: a flat dict of tensors into one safetensors file."""
     from ckptd.workers.safetensors_io import write_safetensors
 
-    storage = Storage(root, storage_options)
     storage.makedirs(path.rsplit("/", 1)[0])
     return [write_safetensors(storage, path, snapshot, metadata)]
+
+
+def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
+               metadata: dict[str, str]) -> list[WrittenFile]:
+    """:func:`write_flat_into` for a writer process, which opens the root itself."""
+    return write_flat_into(Storage(root, storage_options), path, snapshot, metadata)
 
 
 def check_picklable(write_fn: Callable) -> None:

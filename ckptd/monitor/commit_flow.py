@@ -48,15 +48,18 @@ class CommitFlow:
 
     async def _after_change(self, rec: StepRecord) -> None:
         """Start the commits the step is ready for; make new failures durable, then report them."""
-        self._after_change_sync(rec)
+        if self._after_change_sync(rec):
+            await self._record_new_failures(rec)
+
+    async def _record_new_failures(self, rec: StepRecord) -> None:
         for kind in Kind:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
                 await self._record_failure(rec, kind)
 
     def _after_change_sync(self, rec: StepRecord) -> bool:
         """Start the commits the step is ready for; True if a new failure is left to record
-        (then await :meth:`_after_change`). No await on the common path: it runs for every
-        finished unit."""
+        (then await :meth:`_record_new_failures`). No await on the common path: it runs for
+        every finished unit."""
         kinds = self._ledger.ready(rec)
         if kinds:
             self._ledger.begin_commit(rec, kinds, time.time())

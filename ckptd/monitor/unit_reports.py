@@ -133,7 +133,7 @@ class UnitReports:
             # units of committed checkpoints), or the step's record was pruned since.
             return None
         if rec is not None and self._after_change_sync(rec):
-            await self._after_change(rec)
+            await self._record_new_failures(rec)
         return None if why is None else {"refused": why}
 
     def _counted_in_manifest(self, uid: UnitId, files: list[FileEntry]) -> bool:

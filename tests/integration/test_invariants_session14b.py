@@ -25,20 +25,6 @@ def write_then_raise(out: str, snapshot: dict) -> list:
     raise RuntimeError("disk quota exceeded (injected)")
 
 
-def plain_write(out: str, snapshot: dict) -> list:
-    storage = Storage(out)
-    storage.makedirs(storage.root)
-    return [write_torch(storage, storage.join("b.pt"), snapshot)]
-
-
-def _committed(coord, step: int) -> bool:
-    try:
-        coord.wait_committed(step, timeout_s=0.5)
-        return True
-    except ckptd.CheckpointSaveError:
-        return False
-
-
 def test_a_write_fn_failing_in_the_writer_process_never_commits_across_restart_and_new_job(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)

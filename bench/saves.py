@@ -167,7 +167,10 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     saved: list[int] = []
 
     def ckptd_save() -> float:
-        return timed(lambda: h.ckptd_save(sd, "p2", saved=saved))
+        return timed(lambda: h.ckptd_save(sd, "p2", fenced=True, saved=saved))
+
+    def ckptd_eager() -> None:
+        h.ckptd_save(sd, "p2-eager")
 
     def safetensors_save() -> float:
         path = h.fresh("st")
@@ -194,10 +197,11 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     ckptd_save(), safetensors_save()  # warm-up
     saved.clear()
     a, b = interleave(ckptd_save, safetensors_save, pairs)
-    ck = Row(scenario, "ckptd (staged, streamed, fsynced, committed)", "s", a)
+    ck = Row(scenario, "ckptd fenced (copy streamed into the write, fsynced, committed)", "s", a)
     st = Row(scenario, "safetensors.save_file + fsync", "s", b)
     rows = [ck, st]
-    context = {"torch.save + fsync": torch_save, "dcp.save": dcp_save, "dcp.async_save (until done)": dcp_async}
+    context = {"ckptd eager (the copy, then the write)": ckptd_eager,
+               "torch.save + fsync": torch_save, "dcp.save": dcp_save, "dcp.async_save (until done)": dcp_async}
     for method, fn in context.items():
         row = Row(scenario, method, "s", note=f"context: {context_reps} reps")
         row.samples = [timed(fn) for _ in range(context_reps)]

@@ -26,6 +26,7 @@ from ckptd.errors import FailpointError
 
 #: Every failpoint ckptd has, and where it sits.
 FAILPOINTS: dict[str, str] = {
+    "staging_chunk": "worker: a staging copy copied one chunk of a large tensor, before a streaming write may use it",
     "after_unit_write": "worker: save_fn returned and files were checksummed, before the receipt",
     "relay_before_forward": "node relay: a batch of notifications arrived, before it is sent to the monitor",
     "relay_after_forward": "node relay: the monitor applied a batch, before its answers go back",

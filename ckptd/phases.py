@@ -18,7 +18,8 @@ never fail a save: the accumulator only adds floats.
 
 Phase names (see bench/README.md for how the benchmark reads them):
 
-* unit side: ``staging`` (the copy into the staging buffers, wherever it ran), ``write``,
+* unit side: ``staging`` (the copy into the staging buffers, wherever it ran; for a fenced
+  save streamed behind its copy, only the time its write waited for the copy), ``write``,
   ``checksum``, ``fsync``, ``receipt`` (the unit's ledger record), ``notification`` (the
   finished notification's round trip to the monitor);
 * monitor side: ``commit`` (checks, manifest write and rename) and ``trackers`` (advancing the

@@ -240,7 +240,9 @@ class CheckpointCoordinator(TrainerCalls):
             is_state_dict: As for :meth:`save_async`.
             fenced: Copy on a staging thread and return at once; the training loop must call
                 :meth:`before_update` before anything changes the tensors (the optimizer
-                step). Otherwise the copy runs here, and this returns when it is done.
+                step). The default writer then streams each chunk out as soon as it is staged,
+                so the save is durable about one write after the call, not a copy plus a write.
+                Otherwise the copy runs here, and this returns when it is done.
 
         Blocks while ``max_staged`` snapshots of ``name`` are still being written (back-pressure).
 
@@ -256,9 +258,11 @@ class CheckpointCoordinator(TrainerCalls):
         leaves = tensors_of(state)
         if not leaves:
             raise CheckpointConfigError(f"state of save {name!r} holds no tensors; use save_async for other data")
+        streamed = False  # the default thread writer streams each chunk out as soon as it is staged
         if write_fn is None:
             check_tensors(state, "state")
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
+            streamed = self._writer is None and fenced
             write_fn = (partial(write_flat_into, self._storage, path, metadata={"format": "pt"}) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
                                      metadata={"format": "pt"}))
@@ -269,8 +273,16 @@ class CheckpointCoordinator(TrainerCalls):
         writer = self._writer
         snap = self._staging.snapshot(name, state, leaves, fenced)
 
+        def ready(buffer: Any, nbytes: int) -> None:
+            with phases.phase(phases.STAGING):  # only the waits: the rest of the copy overlaps the write
+                snap.wait_staged(buffer, nbytes)
+
         def save_fn() -> Any:
             try:
+                if streamed:
+                    written = write_fn(snap.state, ready=ready)
+                    snap.wait()
+                    return written
                 snap.wait()
                 phases.add(phases.STAGING, snap.copy_seconds)
                 return write_fn(snap.state) if writer is None else writer.run(write_fn, snap.state)

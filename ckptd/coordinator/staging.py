@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckptd import failpoints
 from ckptd.errors import CheckpointError
 from ckptd.threads import lower_priority
 from ckptd.workers.dtensor import is_dtensor, local_tensor
@@ -126,40 +127,91 @@ class Stager:
             self._cond.notify()
 
 
+_CHUNK = 16 << 20  # fenced copies publish their progress every this many bytes
+
+
 class StagedCopy:
-    """One state copied into one buffer set; :meth:`wait` returns once the copy is complete."""
+    """One state copied into one buffer set, leaf by leaf and in chunks of large leaves.
+
+    Progress is published as the copy goes, so a writer can stream each chunk out as soon as it
+    is staged (:meth:`wait_staged`) instead of waiting for the whole copy (:meth:`wait`).
+    """
 
     def __init__(self, leaves: list[torch.Tensor], buf: BufferSet) -> None:
         self._pairs = list(zip(leaves, buf.tensors, strict=True))
-        self._done = threading.Event()
+        self._index = {id(t): i for i, t in enumerate(buf.tensors)}
+        self._cond = threading.Condition()
+        self._leaves_done = 0  # leaves copied completely
+        self._bytes_done = 0  # bytes copied of the next leaf
+        self._ended = False
         self.error: BaseException | None = None
         self.seconds = 0.0  # how long the copy took (for the save's phase timings)
 
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            cuda = False
             with torch.no_grad():
-                for src, dst in self._pairs:
-                    is_cuda = src.device.type == "cuda"
-                    dst.copy_(src.detach(), non_blocking=is_cuda)
-                    cuda = cuda or is_cuda
-            if cuda:
-                torch.cuda.synchronize()  # non_blocking device-to-host copies must land first
+                if any(src.device.type == "cuda" for src, _ in self._pairs):
+                    for src, dst in self._pairs:
+                        dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+                    torch.cuda.synchronize()  # non_blocking device-to-host copies must land first
+                    self._progress(len(self._pairs), 0)
+                else:
+                    for i, (src, dst) in enumerate(self._pairs):
+                        self._copy_leaf(i, src.detach(), dst)
         except BaseException as e:  # surfaced by the save unit, which fails the step
             self.error = e
         finally:
             self.seconds = time.perf_counter() - t0
             self._pairs = []
-            self._done.set()
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def _copy_leaf(self, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        step = max(1, _CHUNK // max(1, dst.element_size()))
+        if not src.is_contiguous() or src.numel() <= step:
+            dst.copy_(src)
+        else:
+            flat_src, flat_dst = src.view(-1), dst.view(-1)
+            for start in range(0, flat_src.numel() - step, step):
+                flat_dst[start : start + step].copy_(flat_src[start : start + step])
+                failpoints.hit("staging_chunk")
+                self._progress(i, (start + step) * dst.element_size())
+            last = (flat_src.numel() - 1) // step * step
+            flat_dst[last:].copy_(flat_src[last:])
+        self._progress(i + 1, 0)
+
+    def _progress(self, leaves: int, nbytes: int) -> None:
+        with self._cond:
+            self._leaves_done, self._bytes_done = leaves, nbytes
+            self._cond.notify_all()
 
     def join(self) -> None:
         """Wait for the copy to end, however it ended."""
-        self._done.wait()
+        with self._cond:
+            while not self._ended:
+                self._cond.wait()
 
     def wait(self) -> None:
         """Wait for the copy to end; raise if it failed."""
-        self._done.wait()
+        self.join()
+        self._raise_error()
+
+    def wait_staged(self, buffer: torch.Tensor, nbytes: int) -> None:
+        """Wait until the first ``nbytes`` of ``buffer`` (one of the buffer set's tensors) are
+        staged; a tensor that is not one of them waits for the whole copy. Raise if the copy
+        failed."""
+        i = self._index.get(id(buffer))
+        if i is None:
+            self.wait()
+            return
+        with self._cond:
+            while not self._ended and (self._leaves_done < i or (self._leaves_done == i and self._bytes_done < nbytes)):
+                self._cond.wait()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         if self.error is not None:
             err = self.error
             raise CheckpointError(f"staging the state failed: {type(err).__name__}: {err}") from err
@@ -218,6 +270,11 @@ class Snapshot:
     def wait(self) -> None:
         """Wait for the copy; raise CheckpointError if it failed."""
         self._copy.wait()
+
+    def wait_staged(self, buffer: torch.Tensor, nbytes: int) -> None:
+        """Wait until the first ``nbytes`` of ``buffer`` (a tensor of :attr:`state`) are staged,
+        so a writer can stream the part copied so far; raise CheckpointError if the copy failed."""
+        self._copy.wait_staged(buffer, nbytes)
 
     @property
     def copy_seconds(self) -> float:

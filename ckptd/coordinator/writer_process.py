@@ -38,12 +38,14 @@ log = logging.getLogger("ckptd.coordinator")
 WRITERS = ("thread", "process")
 
 
-def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[str, str]) -> list[WrittenFile]:
-    """The default writer of ``save_state_async``: a flat dict of tensors into one safetensors file."""
+def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[str, str],
+                    ready: Callable | None = None) -> list[WrittenFile]:
+    """The default writer of ``save_state_async``: a flat dict of tensors into one safetensors
+    file (streamed behind the staging copy when ``ready`` is given: see ``write_safetensors``)."""
     from ckptd.workers.safetensors_io import write_safetensors
 
     storage.makedirs(path.rsplit("/", 1)[0])
-    return [write_safetensors(storage, path, snapshot, metadata)]
+    return [write_safetensors(storage, path, snapshot, metadata, ready)]
 
 
 def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -28,6 +28,9 @@ _DTYPES: dict[torch.dtype, str] = {
 }
 #: safetensors' dtype names -> torch dtypes.
 DTYPE_NAMES: dict[str, torch.dtype] = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+_STREAM_CHUNK = 16 << 20  # with ``ready``: the bytes written per wait
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -59,9 +62,14 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 def write_safetensors(
-    storage: Storage, path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+    storage: Storage, path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None,
+    ready: Callable[[torch.Tensor, int], None] | None = None,
 ) -> WrittenFile:
     """Write ``tensors`` as one safetensors file at ``path``; return its size and CRC-32.
+
+    ``ready(t, n)``, when given, is called before the first ``n`` bytes of tensor ``t`` are
+    written and returns once they hold their final values: that lets the write stream behind a
+    staging copy still in progress (see ``Snapshot.wait_staged``).
 
     NOTE: the tensors must not change while this runs (snapshot them first); a tensor changed
     mid-write leaves a file whose values mix two steps.
@@ -81,6 +89,14 @@ def write_safetensors(
         w.write(struct.pack("<Q", len(raw)))
         w.write(raw)
         for t in tensors.values():
-            w.write(_bytes_of(t))
+            if ready is None:
+                w.write(_bytes_of(t))
+                continue
+            ready(t, 0)
+            data = _bytes_of(t)
+            for start in range(0, len(data), _STREAM_CHUNK):
+                end = min(start + _STREAM_CHUNK, len(data))
+                ready(t, end)
+                w.write(data[start:end])
 
     return write_stream(storage, path, fill)

@@ -132,3 +132,43 @@ def test_bad_input_is_refused_before_anything_starts(make_monitor, tmp_path):
         ckptd.CheckpointCoordinator(make_monitor(root), max_staged=0)
     assert coord.staged_bytes() == 0
     coord.close()
+
+
+def test_a_fenced_save_streams_its_write_behind_the_copy(make_monitor, tmp_path):
+    """With fenced staging and the default writer, the file receives the staged chunks while
+    the copy is still running, and still holds the state as it was at the call."""
+    import os
+
+    from ckptd import failpoints
+
+    root, coord = _coord(make_monitor, tmp_path)
+    sd = {"w": torch.randn(4 * (16 << 20) // 4)}  # four chunks of the staging copy
+    expected = sd["w"].clone()
+    copied = threading.Event()
+    failpoints.arm("staging_chunk", "delay:0.5")  # the copy takes >= 1.5 s after its first chunk
+    try:
+        coord.save_state_async("model", sd, 1, fenced=True)
+
+        def fence():
+            coord.before_update()
+            copied.set()
+
+        threading.Thread(target=fence, daemon=True).start()
+        step_dir = coord.step_dir(1)
+        streamed_before_copied = False
+        while not copied.is_set():
+            sizes = [e.stat().st_size for e in os.scandir(step_dir)] if os.path.isdir(step_dir) else []
+            if any(size >= 16 << 20 for size in sizes):
+                streamed_before_copied = not copied.is_set()
+                break
+            copied.wait(0.01)  # poll the file while the copy runs
+        assert streamed_before_copied, "the write waited for the whole copy instead of streaming"
+        assert copied.wait(30)
+    finally:
+        failpoints.disarm()
+    with torch.no_grad():
+        sd["w"].mul_(-1)  # the optimizer step, after the fence
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=60)
+    assert torch.equal(load_file(f"{coord.step_dir(1)}/model.safetensors")["w"], expected)
+    coord.close()

@@ -161,24 +161,30 @@ class Committer:
         Two units can report one file (a unit whose save_fn returned None finds files that changed
         while it ran, which may be another unit's): the report that matches storage wins.
         """
-        by_path: dict[str, list[tuple[FileEntry, str]]] = {}
+        first: dict[str, tuple[FileEntry, str]] = {}
+        shared: dict[str, list[tuple[FileEntry, str]]] = {}  # files more than one unit reported
         for unit, entries in plan.reports.items():
             for e in entries:
-                candidates = by_path.get(e.path)
-                if candidates is None:
-                    by_path[e.path] = [(e, unit)]
+                seen = first.get(e.path)
+                if seen is None:
+                    first[e.path] = (e, unit)
                 else:
-                    candidates.append((e, unit))
+                    shared.setdefault(e.path, [seen]).append((e, unit))
         out = {}
+        doubtful = []
+        for rel, candidate in first.items():  # the common case, without building paths or sorting
+            st = on_storage.get(rel)
+            if st is not None and rel not in shared and _same(candidate[0], st):
+                out[rel] = candidate
+            else:
+                doubtful.append(rel)
         # Sorted, so that the first problem reported is the same whatever order the units came in.
-        for rel, candidates in sorted(by_path.items()):
+        for rel in sorted(doubtful):
+            candidates = shared.get(rel) or [first[rel]]
             st = on_storage.get(rel)
             if st is None:
                 units = ", ".join(sorted({u for _, u in candidates}))
                 raise CommitCheckError(f"{step_path}/{rel}, reported by {units}, is missing from storage")
-            if len(candidates) == 1 and _same(candidates[0][0], st):
-                out[rel] = candidates[0]  # the common case, without building the path (40,000 files a commit)
-                continue
             match = [c for c in candidates if self._unchanged(f"{step_path}/{rel}", c[0], st)]
             if not match:
                 e, unit = candidates[-1]

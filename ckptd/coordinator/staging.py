@@ -282,14 +282,12 @@ class Snapshot:
         return self._copy.seconds
 
     def release(self) -> None:
-        """Hand the buffers back for the next save of the name."""
-        self._stager.release(self._buf)
-
-    def abort(self) -> None:
-        """Wait until nothing writes into the buffers any more (the copy may still run on the
-        staging thread), then hand them back."""
+        """Hand the buffers back for the next save of the name, once nothing copies into them
+        (a streamed write that failed part-way leaves its copy running on the staging thread)."""
         self._copy.join()
         self._stager.release(self._buf)
+
+    abort = release  # a save that never runs: the same, since the copy may still run
 
 
 class StagingArea:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -137,8 +138,6 @@ def test_bad_input_is_refused_before_anything_starts(make_monitor, tmp_path):
 def test_a_fenced_save_streams_its_write_behind_the_copy(make_monitor, tmp_path):
     """With fenced staging and the default writer, the file receives the staged chunks while
     the copy is still running, and still holds the state as it was at the call."""
-    import os
-
     from ckptd import failpoints
 
     root, coord = _coord(make_monitor, tmp_path)
@@ -171,4 +170,40 @@ def test_a_fenced_save_streams_its_write_behind_the_copy(make_monitor, tmp_path)
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=60)
     assert torch.equal(load_file(f"{coord.step_dir(1)}/model.safetensors")["w"], expected)
+    coord.close()
+
+
+def test_a_streamed_write_that_fails_keeps_its_buffers_until_the_copy_ends(make_monitor, tmp_path):
+    """The write fails at once while the fenced copy still runs: the next save of the name must
+    not get those buffers until the copy stops writing into them, or its snapshot is torn."""
+    from ckptd import failpoints
+
+    root, coord = _coord(make_monitor, tmp_path, max_staged=1)
+    zeros = {"w": torch.zeros(4 * (16 << 20) // 4)}
+    ones = {"w": torch.ones(4 * (16 << 20) // 4)}
+    os.makedirs(root, exist_ok=True)
+    with open(coord.step_dir(1), "w") as f:  # a file where step 1's directory must go
+        f.write("in the way")
+    gate = threading.Event()
+    seen = {}
+
+    def check(snapshot):
+        gate.wait()
+        seen["all ones"] = bool(torch.equal(snapshot["w"], ones["w"]))
+        return []
+
+    failpoints.arm("staging_chunk", "delay:1.0")  # the copy sleeps 1 s after each chunk
+    try:
+        coord.save_state_async("model", zeros, 1, fenced=True)
+        with pytest.raises(ckptd.CheckpointSaveError):
+            coord.wait_all()  # the write failed while the copy sleeps after its first chunk
+    finally:
+        failpoints.disarm()  # the next copy runs at full speed, well inside that sleep
+    second = threading.Thread(target=coord.save_state_async, args=("model", ones, 2, check))
+    second.start()
+    coord.before_update()  # the first copy has ended
+    gate.set()
+    second.join(30)
+    coord.wait_all()
+    assert seen == {"all ones": True}
     coord.close()

@@ -195,14 +195,14 @@ class CheckpointCoordinator(TrainerCalls):
         self._queue(unit, save_fn)
         self._blocked(unit, started, "save_async")
 
-    def _queue(self, unit: UnitId, save_fn: Callable[[], Any]) -> None:
+    def _queue(self, unit: UnitId, save_fn: Callable[[], Any], finish: Callable[[], None] | None = None) -> None:
         with self._lock:
             if self._closed.is_set():
                 raise CheckpointError("this CheckpointCoordinator is closed")
             lane = self._lanes.get(unit.name)
             if lane is None:
                 lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
-        lane.queue.put(Job(unit, save_fn))  # blocks while max_pending units are queued
+        lane.queue.put(Job(unit, save_fn, finish))  # blocks while max_pending units are queued
         self._saw(unit)
 
     def _blocked(self, unit: UnitId, started: float, what: str) -> None:
@@ -290,7 +290,10 @@ class CheckpointCoordinator(TrainerCalls):
                 snap.release()
 
         try:
-            self._queue(unit, save_fn)
+            # snap.release again once the unit has ended: a unit refused before it starts never
+            # runs save_fn, and its buffers would be lost to the name (its next save would wait
+            # for them for ever). Releasing twice hands them back once.
+            self._queue(unit, save_fn, snap.release)
         except BaseException:
             snap.abort()
             raise
@@ -401,6 +404,9 @@ class CheckpointCoordinator(TrainerCalls):
             log.exception("save %s of step %d ended abnormally", job.unit.label, job.unit.step)
             err = CheckpointSaveError(job.unit.step, job.unit.kind.value, job.unit.label,
                                       f"the save thread failed: {type(e).__name__}: {e}")
+        finally:
+            if job.finish is not None:
+                job.finish()
         if err is not None:
             with self._lock:
                 self._errors.append(err)

@@ -16,6 +16,10 @@ from ckptd.threads import lower_priority
 class Job:
     unit: UnitId
     save_fn: Callable[[], Any]
+    #: Runs once the unit has ended, whether or not ``save_fn`` ran: a unit refused before it
+    #: starts (its step already failed) never calls ``save_fn``, and what it holds (a staged
+    #: save's buffers) must still be handed back.
+    finish: Callable[[], None] | None = None
 
 
 class Lane:

@@ -266,6 +266,8 @@ class Snapshot:
     def __init__(self, state: Any, copy_job: StagedCopy, stager: Stager, buf: BufferSet) -> None:
         self.state = state
         self._copy, self._stager, self._buf = copy_job, stager, buf
+        self._released = False
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
         """Wait for the copy; raise CheckpointError if it failed."""
@@ -283,8 +285,13 @@ class Snapshot:
 
     def release(self) -> None:
         """Hand the buffers back for the next save of the name, once nothing copies into them
-        (a streamed write that failed part-way leaves its copy running on the staging thread)."""
+        (a streamed write that failed part-way leaves its copy running on the staging thread).
+        Only the first call hands them back: twice would give one buffer set to two saves."""
         self._copy.join()
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
         self._stager.release(self._buf)
 
     abort = release  # a save that never runs: the same, since the copy may still run

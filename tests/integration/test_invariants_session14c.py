@@ -20,6 +20,7 @@ part-way):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -27,6 +28,8 @@ import signal
 import threading
 import time
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import ray
@@ -50,10 +53,33 @@ def _disarmed():
     failpoints.disarm()
 
 
-def _coord(make_monitor, tmp_path, monitor_options: dict | None = None, **kwargs):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_ckpt_to_keep=None, **(monitor_options or {}))
-    return root, monitor, ckptd.CheckpointCoordinator(monitor, worker_id="w0", **kwargs)
+@pytest.fixture(scope="module")
+def _shared_monitor(ray_local, tmp_path_factory):
+    """One monitor for the module (an actor costs seconds to start on a loaded machine); each
+    test saves steps of its own under it, so no two tests share a step."""
+    root = str(tmp_path_factory.mktemp("inv14c") / "ckpt")
+    monitor = ckptd.start_monitor(root, run=f"inv14c-{os.getpid()}", max_ckpt_to_keep=None)
+    yield root, monitor
+    ray.kill(monitor, no_restart=True)
+
+
+_blocks = itertools.count(1)
+
+
+@dataclass
+class Env:
+    root: str
+    monitor: Any
+    s: int  # this test's steps are s + 1, s + 2, ...
+
+    def coord(self, **kwargs) -> ckptd.CheckpointCoordinator:
+        return ckptd.CheckpointCoordinator(self.monitor, worker_id=f"w{self.s}", **kwargs)
+
+
+@pytest.fixture
+def env(_shared_monitor) -> Env:
+    root, monitor = _shared_monitor
+    return Env(root, monitor, 100 * next(_blocks))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -150,33 +176,33 @@ def _train_step(state: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced-streamed", "eager"])
-def test_every_dtype_and_shape_is_saved_bit_for_bit_with_the_manifest_crc(make_monitor, tmp_path, fenced):
-    root, _, coord = _coord(make_monitor, tmp_path)
+def test_every_dtype_and_shape_is_saved_bit_for_bit_with_the_manifest_crc(env, fenced):
+    root, s, coord = env.root, env.s, env.coord()
     state = _zoo()
     expected = {k: v.clone() for k, v in state.items()}
     # Slow chunks: the streamed write catches up with the copy and waits inside each large leaf.
     failpoints.arm("staging_chunk", "delay:0.02")
-    coord.save_state_async("model", state, 1, fenced=fenced)
+    coord.save_state_async("model", state, s + 1, fenced=fenced)
     if fenced:
         coord.before_update()
     _train_step(state)
     assert not torch.equal(_bits(state["f8"]), _bits(expected["f8"]))  # the step did change it
-    coord.register(1, checkpoint_thread_count=1)
-    coord.wait_committed(1, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 1, "model", expected)
+    coord.register(s + 1, checkpoint_thread_count=1)
+    coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 1, "model", expected)
     coord.close()
 
 
 # -- 2: failures part-way ----------------------------------------------------------------------
 
 
-def test_a_copy_failing_at_its_third_chunk_never_commits_and_the_next_save_is_exact(make_monitor, tmp_path):
-    root, _, coord = _coord(make_monitor, tmp_path)
+def test_a_copy_failing_at_its_third_chunk_never_commits_and_the_next_save_is_exact(env):
+    root, s, coord = env.root, env.s, env.coord()
     state = {"w": torch.randn(3 * CHUNK // 4 + 1), "b": torch.arange(10)}  # three chunk boundaries
-    step_dir = coord.step_dir(1)
+    step_dir = coord.step_dir(s + 1)
     failpoints.arm("staging_chunk", "delay:0.5")
-    coord.register(1, checkpoint_thread_count=1)
-    coord.save_state_async("model", state, 1, fenced=True)
+    coord.register(s + 1, checkpoint_thread_count=1)
+    coord.save_state_async("model", state, s + 1, fenced=True)
     # The first chunk has reached the (temporary) file: the copy sleeps after its second chunk.
     wait_for(lambda: _largest(step_dir) >= CHUNK, DEADLINE_S, "the first chunk to be streamed")
     failpoints.arm("staging_chunk", "raise")  # the third chunk boundary fails the copy
@@ -184,18 +210,36 @@ def test_a_copy_failing_at_its_third_chunk_never_commits_and_the_next_save_is_ex
         coord.wait_all()
     coord.before_update()  # the failed copy has ended: nothing more to wait for
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.wait_committed(1, timeout_s=DEADLINE_S)
+        coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
     assert _visible(step_dir) == []  # neither the file nor its temporary stayed behind
-    assert ckptd.latest_step(root) is None
 
     failpoints.disarm()
     expected = {k: v.clone() for k, v in state.items()}
-    coord.save_state_async("model", state, 2, fenced=True)
+    coord.save_state_async("model", state, s + 2, fenced=True)
     coord.before_update()
     _train_step_plain(state)
-    coord.register(2, checkpoint_thread_count=1)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 2, "model", expected)
+    coord.register(s + 2, checkpoint_thread_count=1)
+    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 2, "model", expected)
+    coord.close()
+
+
+def test_an_eager_copy_failing_part_way_raises_at_the_call_and_a_retry_is_exact(env):
+    root, s, coord = env.root, env.s, env.coord(max_staged=1)
+    state = {"w": torch.randn(2 * CHUNK // 4 + 1), "b": torch.arange(10)}
+    coord.register(s + 1, checkpoint_thread_count=1)
+    failpoints.arm("staging_chunk", "raise")  # the copy on the training thread fails after chunk 1
+    with pytest.raises(ckptd.CheckpointError, match="staging the state failed: FailpointError"):
+        coord.save_state_async("model", state, s + 1)
+    failpoints.disarm()
+    assert _visible(coord.step_dir(s + 1)) == []  # nothing was queued, nothing written
+    expected = {k: v.clone() for k, v in state.items()}
+    # The same step again: its buffers (max_staged=1) came back when the copy failed.
+    _, saved, out = _in_thread(coord.save_state_async, "model", state, s + 1)
+    assert saved.wait(DEADLINE_S) and "error" not in out
+    _train_step_plain(state)
+    coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 1, "model", expected)
     coord.close()
 
 
@@ -222,58 +266,67 @@ def file_size_limit():
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def test_a_write_failing_part_way_never_commits_and_the_next_save_is_exact(make_monitor, tmp_path,
-                                                                            file_size_limit):
-    root, _, coord = _coord(make_monitor, tmp_path)
+def test_a_write_failing_part_way_never_commits_and_the_next_save_is_exact(env, file_size_limit):
+    root, s, coord = env.root, env.s, env.coord()
     state = {"w": torch.randn(2 * CHUNK // 4 + 1), "b": torch.arange(10)}
-    step_dir = coord.step_dir(1)
-    coord.register(1, checkpoint_thread_count=1)
+    step_dir = coord.step_dir(s + 1)
+    coord.register(s + 1, checkpoint_thread_count=1)
     failpoints.arm("staging_chunk", "delay:0.05")  # the write streams behind the copy
     file_size_limit(CHUNK + CHUNK // 2)  # the file system is full in the middle of chunk 2
     try:
-        coord.save_state_async("model", state, 1, fenced=True)
+        coord.save_state_async("model", state, s + 1, fenced=True)
         with pytest.raises(ckptd.CheckpointSaveError, match="File too large"):
             coord.wait_all()
     finally:
         file_size_limit(None)
     coord.before_update()
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.wait_committed(1, timeout_s=DEADLINE_S)
+        coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
     assert _visible(step_dir) == []
 
     expected = {k: v.clone() for k, v in state.items()}
-    coord.save_state_async("model", state, 2, fenced=True)
+    coord.save_state_async("model", state, s + 2, fenced=True)
     coord.before_update()
     _train_step_plain(state)
-    coord.register(2, checkpoint_thread_count=1)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 2, "model", expected)
+    coord.register(s + 2, checkpoint_thread_count=1)
+    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 2, "model", expected)
     coord.close()
 
 
 # -- 3: buffers never shared -------------------------------------------------------------------
 
 
-def _filled(step: int) -> dict[str, torch.Tensor]:
-    """A fresh state whose every element is ``step``: a torn snapshot shows two values."""
-    return {"w": torch.full((CHUNK // 4 + 1,), float(step)), "n": torch.full((1000,), step, dtype=torch.int64)}
+def _filled(step: int, strided: bool = False) -> dict[str, torch.Tensor]:
+    """A fresh state whose every element is ``step``: a torn snapshot shows two values.
+    ``strided``: ``w`` is a view with a stride of 2, which a copy takes whole (no chunks)."""
+    n = 2 * CHUNK // 4 - 1
+    w = torch.full((2 * n,), float(step))[::2] if strided else torch.full((n,), float(step))
+    return {"w": w, "n": torch.full((1000,), step, dtype=torch.int64)}
 
 
 @pytest.mark.parametrize("max_staged", [1, 2])
-def test_interleaved_fenced_eager_and_failing_saves_of_one_name_never_tear(make_monitor, tmp_path, max_staged):
-    root, _, coord = _coord(make_monitor, tmp_path, max_staged=max_staged)
+def test_interleaved_fenced_eager_and_failing_saves_of_one_name_never_tear(env, max_staged):
+    root, s, coord = env.root, env.s, env.coord(max_staged=max_staged)
     # step: (fenced, its step directory is blocked by a file, before_update after it)
     plan = {1: (True, False, False), 2: (False, False, False), 3: (True, True, False), 4: (False, False, False),
             5: (True, False, False), 6: (True, True, True), 7: (False, True, False), 8: (True, False, True)}
+    plan = {s + k: how for k, how in plan.items()}
     os.makedirs(root, exist_ok=True)
     for step, (_, blocked, _) in plan.items():
         if blocked:
             with open(coord.step_dir(step), "w") as f:
                 f.write("in the way")  # the write fails at once while a fenced copy still runs
-    failpoints.arm("staging_chunk", "delay:0.1")  # copies outlast the failing writes
-    for step, (fenced, _, fence) in plan.items():
+    for step, (fenced, blocked, fence) in plan.items():
+        # A fenced copy sleeps after its first chunk, then copies most of a second one; the copy
+        # of a save whose write fails at once sleeps long: a failing write that handed the
+        # buffers back early would let the next save's copy in before that second chunk.
+        failpoints.arm("staging_chunk", "delay:1.0" if blocked and fenced else "delay:0.05")
         coord.register(step, checkpoint_thread_count=1)
-        coord.save_state_async("model", _filled(step), step, fenced=fenced)
+        # An eager save copies a strided state in one go, no chunk sleeps: were the buffers
+        # handed back while a failed save's fenced copy still ran, that copy's rest would land
+        # on top of this snapshot.
+        coord.save_state_async("model", _filled(step, strided=not fenced), step, fenced=fenced)
         if fence:
             coord.before_update()
     with pytest.raises(ckptd.CheckpointSaveError, match=r"and 2 more failed saves|and 1 more failed save"):
@@ -289,28 +342,28 @@ def test_interleaved_fenced_eager_and_failing_saves_of_one_name_never_tear(make_
     coord.close()
 
 
-def test_a_staged_save_whose_unit_is_refused_hands_its_buffers_back(make_monitor, tmp_path):
+def test_a_staged_save_whose_unit_is_refused_hands_its_buffers_back(env):
     """A unit of a step that already failed is refused before its save_fn runs. The snapshot's
     buffers must still go back to the name, or its next save waits for them forever."""
-    root, _, coord = _coord(make_monitor, tmp_path, max_staged=1)
-    coord.register(1, checkpoint_thread_count=2)
+    root, s, coord = env.root, env.s, env.coord(max_staged=1)
+    coord.register(s + 1, checkpoint_thread_count=2)
 
     def fail() -> None:
         raise RuntimeError("optimizer shard lost (injected)")
 
-    coord.save_async("optim", fail, 1)
+    coord.save_async("optim", fail, s + 1)
     with pytest.raises(ckptd.CheckpointSaveError, match="injected"):
         coord.wait_all()
-    coord.save_state_async("model", _filled(1), 1, fenced=True)  # step 1 failed: refused
+    coord.save_state_async("model", _filled(1), s + 1, fenced=True)  # step 1 failed: refused
     with pytest.raises(ckptd.CheckpointSaveError, match="not saved"):
         coord.wait_all()
     coord.before_update()
-    _, done, out = _in_thread(coord.save_state_async, "model", _filled(2), 2)
+    _, done, out = _in_thread(coord.save_state_async, "model", _filled(2), s + 2)
     assert done.wait(DEADLINE_S), "the next save of the name waits for buffers nobody will hand back"
     assert "error" not in out
-    coord.register(2, checkpoint_thread_count=1)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 2, "model", _filled(2))
+    coord.register(s + 2, checkpoint_thread_count=1)
+    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 2, "model", _filled(2))
     assert coord.staged_bytes() == sum(t.numel() * t.element_size() for t in _filled(0).values())
     coord.close()
 
@@ -319,7 +372,8 @@ def test_a_staged_save_whose_unit_is_refused_hands_its_buffers_back(make_monitor
 
 
 def test_before_update_returns_while_the_streaming_writer_waits_for_the_only_slot(make_monitor, tmp_path):
-    root, _, coord = _coord(make_monitor, tmp_path, {"save_strategy": "single_thread"})
+    root, s = str(tmp_path / "ckpt"), 0  # a monitor of its own: the run's only writer slot is held
+    coord = ckptd.CheckpointCoordinator(make_monitor(root, save_strategy="single_thread"), worker_id="w0")
     holding, gate = threading.Event(), threading.Event()
 
     def hold_the_slot() -> list:
@@ -327,99 +381,104 @@ def test_before_update_returns_while_the_streaming_writer_waits_for_the_only_slo
         gate.wait(DEADLINE_S)
         return []
 
-    coord.register(1, checkpoint_thread_count=2)
-    coord.save_async("train_state", hold_the_slot, 1)
+    coord.register(s + 1, checkpoint_thread_count=2)
+    coord.save_async("train_state", hold_the_slot, s + 1)
     assert holding.wait(DEADLINE_S)  # it runs: it holds the run's only writer slot
     state = {"w": torch.randn(2 * CHUNK // 4 + 1)}
     expected = {k: v.clone() for k, v in state.items()}
     failpoints.arm("staging_chunk", "delay:0.1")
-    coord.save_state_async("model", state, 1, fenced=True)
+    coord.save_state_async("model", state, s + 1, fenced=True)
     _, fenced, out = _in_thread(coord.before_update)
     assert fenced.wait(DEADLINE_S), "before_update waits for a writer that waits for a slot"
     assert "error" not in out
-    assert not os.path.exists(f"{coord.step_dir(1)}/model.safetensors")  # the writer is still held
+    assert not os.path.exists(f"{coord.step_dir(s + 1)}/model.safetensors")  # the writer is still held
     _train_step_plain(state)
     gate.set()
-    coord.wait_committed(1, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 1, "model", expected)
+    coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 1, "model", expected)
     coord.close()
 
 
-def test_before_update_returns_while_the_next_save_waits_on_back_pressure(make_monitor, tmp_path):
-    root, _, coord = _coord(make_monitor, tmp_path, max_staged=1)
+def test_before_update_returns_while_the_next_save_waits_on_back_pressure(env):
+    root, s, coord = env.root, env.s, env.coord(max_staged=1)
     first, second = {"w": torch.randn(2 * CHUNK // 4 + 1)}, {"w": torch.randn(2 * CHUNK // 4 + 1)}
     want1, want2 = first["w"].clone(), second["w"].clone()
     failpoints.arm("staging_chunk", "delay:0.2")
-    coord.save_state_async("model", first, 1, fenced=True)
+    coord.save_state_async("model", first, s + 1, fenced=True)
     # Another thread saves the next step: it waits until step 1's buffers come back.
-    _, saved2, out = _in_thread(coord.save_state_async, "model", second, 2, None)
+    _, saved2, out = _in_thread(coord.save_state_async, "model", second, s + 2, None)
     _, fenced, fence_out = _in_thread(coord.before_update)
     assert fenced.wait(DEADLINE_S) and "error" not in fence_out
     _train_step_plain(first)  # the fence returned: step 1's copy is over
     assert saved2.wait(DEADLINE_S) and "error" not in out
     coord.before_update()
     _train_step_plain(second)
-    for step in (1, 2):
+    for step in (s + 1, s + 2):
         coord.register(step, checkpoint_thread_count=1)
         coord.wait_committed(step, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 1, "model", {"w": want1})
-    _assert_file_holds(root, 2, "model", {"w": want2})
+    _assert_file_holds(root, s + 1, "model", {"w": want1})
+    _assert_file_holds(root, s + 2, "model", {"w": want2})
     coord.close()
 
 
 # -- 5: close() and wait_all() with a streamed save in flight ---------------------------------
 
 
-def test_close_with_a_streamed_save_in_flight_finishes_it_and_returns(make_monitor, tmp_path):
-    root, monitor, coord = _coord(make_monitor, tmp_path)
+def test_close_with_a_streamed_save_in_flight_finishes_it_and_returns(env):
+    root, s, coord = env.root, env.s, env.coord()
     state = {"w": torch.randn(2 * CHUNK // 4 + 1)}
     expected = {k: v.clone() for k, v in state.items()}
-    coord.register(1, checkpoint_thread_count=1)
+    coord.register(s + 1, checkpoint_thread_count=1)
     failpoints.arm("staging_chunk", "delay:0.2")
-    coord.save_state_async("model", state, 1, fenced=True)
+    coord.save_state_async("model", state, s + 1, fenced=True)
     _, closed, out = _in_thread(coord.close)  # no before_update: close waits for the write
     assert closed.wait(DEADLINE_S), "close() hangs with a streamed save in flight"
     assert "error" not in out
     _train_step_plain(state)  # the write, and so the copy behind it, are over
-    assert ray.get(monitor.wait_committed.remote(1, "checkpoint", DEADLINE_S))["committed"]
-    _assert_file_holds(root, 1, "model", expected)
+    assert ray.get(env.monitor.wait_committed.remote(s + 1, "checkpoint", DEADLINE_S))["committed"]
+    _assert_file_holds(root, s + 1, "model", expected)
     with pytest.raises(ckptd.CheckpointError, match="closed"):
-        coord.save_state_async("model", state, 2, fenced=True)
+        coord.save_state_async("model", state, s + 2, fenced=True)
 
 
-def test_close_raises_the_failure_of_a_streamed_save_in_flight(make_monitor, tmp_path):
-    root, _, coord = _coord(make_monitor, tmp_path, max_staged=1)
-    coord.register(1, checkpoint_thread_count=1)
+def test_close_raises_the_failure_of_a_streamed_save_in_flight(env):
+    s, coord = env.s, env.coord(max_staged=1)
+    coord.register(s + 1, checkpoint_thread_count=1)
     failpoints.arm("staging_chunk", "raise")
-    coord.save_state_async("model", {"w": torch.randn(2 * CHUNK // 4 + 1)}, 1, fenced=True)
+    coord.save_state_async("model", {"w": torch.randn(2 * CHUNK // 4 + 1)}, s + 1, fenced=True)
     _, closed, out = _in_thread(coord.close)
     assert closed.wait(DEADLINE_S), "close() hangs on a failed streamed save"
     assert isinstance(out.get("error"), ckptd.CheckpointSaveError)
     assert "staging the state failed: FailpointError" in str(out["error"])
-    assert _visible(coord.step_dir(1)) == []
+    assert _visible(coord.step_dir(s + 1)) == []
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.wait_committed(1, timeout_s=DEADLINE_S)
+        coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
 
 
-def test_wait_all_after_a_failed_streamed_write_leaves_the_buffers_free(make_monitor, tmp_path):
-    root, _, coord = _coord(make_monitor, tmp_path, max_staged=1)
+def test_wait_all_after_a_failed_streamed_write_leaves_the_buffers_free(env):
+    root, s, coord = env.root, env.s, env.coord(max_staged=1)
     os.makedirs(root, exist_ok=True)
-    with open(coord.step_dir(1), "w") as f:
+    with open(coord.step_dir(s + 1), "w") as f:
         f.write("in the way")
-    failpoints.arm("staging_chunk", "delay:0.2")
-    coord.save_state_async("model", _filled(1), 1, fenced=True)
+    failpoints.arm("staging_chunk", "delay:1.0")  # the copy sleeps well past the write's failure
+    coord.save_state_async("model", _filled(1), s + 1, fenced=True)
     _, waited, out = _in_thread(coord.wait_all)
     assert waited.wait(DEADLINE_S), "wait_all() hangs on a failed streamed write"
     assert isinstance(out.get("error"), ckptd.CheckpointSaveError)
-    assert "step 1" in str(out["error"])
+    assert f"step {s + 1} failed" in str(out["error"])
     failpoints.disarm()
-    # The failed save's copy may still run: the next save of the name gets the buffers once
-    # it has ended, never before, and never waits for ever.
-    _, saved, out2 = _in_thread(coord.save_state_async, "model", _filled(2), 2)
+    # The failed save's copy may still run. The next save of the name gets the buffers once it
+    # has ended, never before, and never waits for ever. Its write is held (its lane is busy)
+    # until that copy is over, so a snapshot shared with the copy would be written torn.
+    gate = threading.Event()
+    coord.register(s + 2, checkpoint_thread_count=2)
+    coord.save_async("model", lambda: gate.wait(DEADLINE_S) and [], s + 2)
+    _, saved, out2 = _in_thread(coord.save_state_async, "model", _filled(2, strided=True), s + 2)
     assert saved.wait(DEADLINE_S) and "error" not in out2
-    coord.register(2, checkpoint_thread_count=1)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, 2, "model", _filled(2))
+    coord.before_update()  # the failed save's copy has ended
+    gate.set()
+    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, s + 2, "model", _filled(2))
     coord.close()
 
 
@@ -436,31 +495,31 @@ def _staged_span(monitor, step: int) -> dict:
     return wait_for(span, DEADLINE_S, f"the staged unit's span of step {step}")
 
 
-def test_a_streamed_saves_staging_phase_is_only_its_wait_for_the_copy(make_monitor, tmp_path):
-    root, monitor, coord = _coord(make_monitor, tmp_path)
+def test_a_streamed_saves_staging_phase_is_only_its_wait_for_the_copy(env):
+    s, coord = env.s, env.coord()
     delay = 0.3
     failpoints.arm("staging_chunk", f"delay:{delay}")  # three chunk boundaries: a copy of >= 0.9 s
     state = {"w": torch.randn(4 * CHUNK // 4)}
 
     # Step 1: the write starts only after the copy has ended (its lane is busy until then).
     gate = threading.Event()
-    coord.register(1, checkpoint_thread_count=2)
-    coord.save_async("model", lambda: gate.wait(DEADLINE_S) and [], 1)
+    coord.register(s + 1, checkpoint_thread_count=2)
+    coord.save_async("model", lambda: gate.wait(DEADLINE_S) and [], s + 1)
     t0 = time.perf_counter()
-    coord.save_state_async("model", state, 1, fenced=True)
+    coord.save_state_async("model", state, s + 1, fenced=True)
     coord.before_update()
     copy_s = time.perf_counter() - t0
     assert copy_s >= 3 * delay
     gate.set()
-    coord.wait_committed(1, timeout_s=DEADLINE_S)
-    late = _staged_span(monitor, 1)
+    coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
+    late = _staged_span(env.monitor, s + 1)
 
     # Step 2: the write streams behind the copy and waits for each chunk.
-    coord.register(2, checkpoint_thread_count=1)
-    coord.save_state_async("model", state, 2, fenced=True)
+    coord.register(s + 2, checkpoint_thread_count=1)
+    coord.save_state_async("model", state, s + 2, fenced=True)
     coord.before_update()
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    behind = _staged_span(monitor, 2)
+    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
+    behind = _staged_span(env.monitor, s + 2)
 
     for span in (late, behind):
         assert {"staging", "write", "fsync", "receipt"} <= set(span["phases"]), span["phases"]

@@ -11,7 +11,9 @@ part-way):
 2. a copy or a write that fails part-way never commits, never leaves a partial file, and the
    next save of the name is correct;
 3. buffers are never shared by two saves: interleaved fenced, eager and failing saves of one
-   name never write a torn snapshot, and a save whose unit never runs hands its buffers back;
+   name never write a torn snapshot, and a save whose unit never runs hands its buffers back
+   (it did not: a staged save refused because its step had already failed kept them, and the
+   name's next save waited for ever; fixed in the coordinator, Job.finish);
 4. before_update() returns once the copies end, while the streaming writer waits for a slot
    or the training thread for back-pressure;
 5. close() and wait_all() with a streamed save in flight: no hang, the error surfaces;
@@ -205,6 +207,7 @@ def test_a_copy_failing_at_its_third_chunk_never_commits_and_the_next_save_is_ex
     coord.save_state_async("model", state, s + 1, fenced=True)
     # The first chunk has reached the (temporary) file: the copy sleeps after its second chunk.
     wait_for(lambda: _largest(step_dir) >= CHUNK, DEADLINE_S, "the first chunk to be streamed")
+    assert "model.safetensors" not in _visible(step_dir)  # streamed into a temporary name only
     failpoints.arm("staging_chunk", "raise")  # the third chunk boundary fails the copy
     with pytest.raises(ckptd.CheckpointSaveError, match="staging the state failed: FailpointError"):
         coord.wait_all()

@@ -53,7 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=1024, help="state size of P1, P5 and P7")
     p.add_argument("--sizes-mib", type=_sizes, default="64,256,1024", help="P2 state sizes, comma-separated")
     p.add_argument("--ram-dir", default="/dev/shm",
-                   help="RAM-backed directory for the second P2 run ('' to skip it)")
+                   help="RAM-backed directory for the second P2 and P4 runs ('' to skip them)")
     p.add_argument("--model-mib", type=int, default=256, help="P3 model size (AdamW adds twice as much state)")
     p.add_argument("--p3-variants", default="matmul,python,python-process",
                    help="P3 training stand-ins: matmul (MLP on one torch thread), python (GIL-bound step); "
@@ -203,7 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     def p4():
         from .monitor_scale import p4_monitor
 
-        return p4_monitor(args.dir, args.workers, args.units, args.scale_steps, hosts=args.hosts)
+        rows = p4_monitor(args.dir, args.workers, args.units, args.scale_steps, hosts=args.hosts)
+        # Again on a RAM-backed root: what is left when the filesystem's journal is out of the way.
+        problem = ("smoke run: the disk run covers the same code" if args.smoke
+                   else ram_dir_problem(args.ram_dir, 64 * MiB))
+        if problem is not None:
+            out.skipped.append(("P4 (RAM)", problem))
+            print(f"P4 on a RAM-backed directory skipped: {problem}", file=sys.stderr)
+            return rows
+        return rows + p4_monitor(args.ram_dir, args.workers, args.units, args.scale_steps, hosts=args.hosts,
+                                 label="RAM")
 
     def p5():
         from .rss import p5_rss

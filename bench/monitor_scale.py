@@ -56,7 +56,9 @@ class Flood:
         ray.get([self.monitor.notify_batch.remote(events[i:i + batch]) for i in range(0, len(events), batch)])
 
 
-def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts: int = 4) -> list[Row]:
+def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts: int = 4,
+               label: str = "disk") -> list[Row]:
+    """P4 with its root under ``base_dir``; ``label`` names that filesystem in the rows."""
     import tempfile
 
     root = tempfile.mkdtemp(prefix="ckptd-bench-p4-", dir=base_dir)
@@ -93,11 +95,12 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
     driver.close()
     ray.kill(monitor, no_restart=True)
     note = f"{workers} workers x {units} units, {steps} steps, on {len(actors)} host actors"
-    p50 = Row("P4 monitor", "commit latency p50", "s", [statistics.median(latencies)], note)
-    p99 = Row("P4 monitor", "commit latency p99", "s",
+    scenario = f"P4 monitor ({label})"
+    p50 = Row(scenario, "commit latency p50", "s", [statistics.median(latencies)], note)
+    p99 = Row(scenario, "commit latency p99", "s",
               [latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]], note)
-    rate = Row("P4 monitor", "notifications per second", "1/s", [(st.notifications - before) / elapsed], note)
-    alone = Row("P4 monitor", "notifications per second, monitor alone", "1/s", [flood_rate],
+    rate = Row(scenario, "notifications per second", "1/s", [(st.notifications - before) / elapsed], note)
+    alone = Row(scenario, "notifications per second, monitor alone", "1/s", [flood_rate],
                 f"the same events sent by {len(floods)} processes in batches of {2 * units} (one worker's units), "
                 "no save threads or receipt files")
     return [p50, p99, rate, alone]

@@ -49,3 +49,17 @@ def test_the_ram_run_is_skipped_with_a_reason(tmp_path):
     assert "does not exist" in ram_dir_problem(str(tmp_path / "missing"), 1)
     assert "MiB free, the run needs" in ram_dir_problem(str(tmp_path), 1 << 62)
     assert ram_dir_problem("", MiB) == "--ram-dir '' given"
+
+
+def test_qualified_target_names_find_their_limit_and_direction():
+    from bench.common import Row
+    from bench.report import limit_of, single_checks
+
+    assert limit_of("P2 ckptd durable / safetensors+fsync (RAM, 64 MiB)") == 1.1
+    assert limit_of("P4 commit latency p50 (ms)") == limit_of("P4 commit latency p50 (ms) (disk)") == 20.0
+    rows = [Row("P4 monitor (disk)", "notifications per second", "1/s", [1500.0]),
+            Row("P4 monitor (RAM)", "notifications per second", "1/s", [2500.0])]
+    checks = single_checks(rows)
+    # A rate is a minimum on every filesystem: below it is missed, above it met.
+    assert checks["P4 notifications per second (disk)"]["verdict"] == "missed"
+    assert checks["P4 notifications per second (RAM)"]["verdict"] == "met"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.__main__ import ram_dir_problem
 from bench.common import MiB, Row
-from bench.report import limit_of, paired_checks, targets_table
+from bench.report import limit_of, paired_checks, single_checks, targets_table
 from bench.verdicts import Comparison, judge
 
 
@@ -52,9 +52,6 @@ def test_the_ram_run_is_skipped_with_a_reason(tmp_path):
 
 
 def test_qualified_target_names_find_their_limit_and_direction():
-    from bench.common import Row
-    from bench.report import limit_of, single_checks
-
     assert limit_of("P2 ckptd durable / safetensors+fsync (RAM, 64 MiB)") == 1.1
     assert limit_of("P4 commit latency p50 (ms)") == limit_of("P4 commit latency p50 (ms) (disk)") == 20.0
     rows = [Row("P4 monitor (disk)", "notifications per second", "1/s", [1500.0]),

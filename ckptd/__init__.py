@@ -4,26 +4,70 @@ Saves run in background threads so training continues; a step is committed (mani
 ``latest_*_iteration.txt`` trackers) only when every registered save of it has finished.
 """
 
-from ckptd.config import Kind, MonitorOptions, SaveStrategy
-from ckptd.coordinator import CheckpointCoordinator
-from ckptd.coordinator.notice import PREEMPTED_EXIT_CODE, PREEMPTION_INCOMPLETE_EXIT_CODE, PreemptionOutcome
-from ckptd.coordinator.preemption import PreemptionGuard
-from ckptd.errors import (
-    CheckpointConfigError,
-    CheckpointError,
-    CheckpointSaveError,
-    CheckpointTimeoutError,
-    CorruptCheckpointError,
-    RegistrationConflictError,
-    UnsafeCheckpointError,
-)
-from ckptd.layout import latest_step, step_dir
-from ckptd.manifest import WrittenFile
-from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
-from ckptd.resume import ResumeState, resume
-from ckptd.retire import retire_steps
-from ckptd.rollout import Weights, WeightSubscriber
-from ckptd.verify import verify
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The public names load on first use (PEP 562): a process that needs only part of ckptd pays
+# only for that part. The monitor actor's process imports this package to unpickle its class,
+# and the save path's torch import (seconds of CPU on a small machine) has no use there.
+_SOURCES = {
+    "Kind": "ckptd.config", "MonitorOptions": "ckptd.config", "SaveStrategy": "ckptd.config",
+    "CheckpointCoordinator": "ckptd.coordinator",
+    "PREEMPTED_EXIT_CODE": "ckptd.coordinator.notice",
+    "PREEMPTION_INCOMPLETE_EXIT_CODE": "ckptd.coordinator.notice",
+    "PreemptionOutcome": "ckptd.coordinator.notice",
+    "PreemptionGuard": "ckptd.coordinator.preemption",
+    "CheckpointConfigError": "ckptd.errors", "CheckpointError": "ckptd.errors",
+    "CheckpointSaveError": "ckptd.errors", "CheckpointTimeoutError": "ckptd.errors",
+    "CorruptCheckpointError": "ckptd.errors", "RegistrationConflictError": "ckptd.errors",
+    "UnsafeCheckpointError": "ckptd.errors",
+    "latest_step": "ckptd.layout", "step_dir": "ckptd.layout",
+    "WrittenFile": "ckptd.manifest",
+    "MonitorStatus": "ckptd.monitor", "StepStatus": "ckptd.monitor", "get_monitor": "ckptd.monitor",
+    "start_monitor": "ckptd.monitor",
+    "ResumeState": "ckptd.resume", "resume": "ckptd.resume",
+    "retire_steps": "ckptd.retire",
+    "Weights": "ckptd.rollout", "WeightSubscriber": "ckptd.rollout",
+    "verify": "ckptd.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ckptd.config import Kind, MonitorOptions, SaveStrategy
+    from ckptd.coordinator import CheckpointCoordinator
+    from ckptd.coordinator.notice import PREEMPTED_EXIT_CODE, PREEMPTION_INCOMPLETE_EXIT_CODE, PreemptionOutcome
+    from ckptd.coordinator.preemption import PreemptionGuard
+    from ckptd.errors import (
+        CheckpointConfigError,
+        CheckpointError,
+        CheckpointSaveError,
+        CheckpointTimeoutError,
+        CorruptCheckpointError,
+        RegistrationConflictError,
+        UnsafeCheckpointError,
+    )
+    from ckptd.layout import latest_step, step_dir
+    from ckptd.manifest import WrittenFile
+    from ckptd.monitor import MonitorStatus, StepStatus, get_monitor, start_monitor
+    from ckptd.resume import ResumeState, resume
+    from ckptd.retire import retire_steps
+    from ckptd.rollout import Weights, WeightSubscriber
+    from ckptd.verify import verify
 
 __version__ = "0.1.0"
 

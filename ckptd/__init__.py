@@ -7,6 +7,8 @@ Saves run in background threads so training continues; a step is committed (mani
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 # The public names load on first use (PEP 562): a process that needs only part of ckptd pays
@@ -45,6 +47,27 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+_SHADOWED = frozenset({"verify", "resume"})  # public functions that share a submodule's name
+
+
+class _Package(types.ModuleType):
+    """This package's module type: ``ckptd.verify`` and ``ckptd.resume`` stay the functions.
+
+    Importing a submodule binds it to its package's attribute of the same name once it has
+    loaded; ckptd.verify and ckptd.resume are also public functions, which an eager import here
+    used to rebind afterwards. Those two bindings are refused, so the names resolve lazily to
+    the functions, whichever submodule was imported first.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:

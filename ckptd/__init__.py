@@ -66,6 +66,11 @@ class _Package(types.ModuleType):
             return
         super().__setattr__(name, value)
 
+    def __reduce__(self) -> tuple:
+        # By reference, as pickle and cloudpickle treat a plain module (a function pickled by
+        # value for a Ray actor may refer to ckptd).
+        return importlib.import_module, (self.__name__,)
+
 
 sys.modules[__name__].__class__ = _Package
 

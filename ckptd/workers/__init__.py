@@ -6,18 +6,59 @@ coordinator lists them in the step's manifest without reading them back. Snapsho
 training thread first (:func:`snapshot`); the writers run in the background.
 """
 
-from ckptd.workers.dtensor import ShardedState, sharded_state
-from ckptd.workers.export import export_hf_async, export_hf_step
-from ckptd.workers.hf import save_hf_model
-from ckptd.workers.lora import save_lora_adapter
-from ckptd.workers.sharded import Shard, export_hf, save_sharded, shard_dim0
-from ckptd.workers.state_dict import select_prefix, snapshot
-from ckptd.workers.training_state import (
-    RunningState,
-    TrainingState,
-    capture_training_state,
-    save_training_state,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use (PEP 562), as in ckptd/__init__.py: the monitor reads and writes files
+# through ckptd.workers.files, and needs neither torch nor transformers for that.
+_SOURCES = {
+    "ShardedState": "ckptd.workers.dtensor",
+    "sharded_state": "ckptd.workers.dtensor",
+    "export_hf_async": "ckptd.workers.export",
+    "export_hf_step": "ckptd.workers.export",
+    "save_hf_model": "ckptd.workers.hf",
+    "save_lora_adapter": "ckptd.workers.lora",
+    "Shard": "ckptd.workers.sharded",
+    "export_hf": "ckptd.workers.sharded",
+    "save_sharded": "ckptd.workers.sharded",
+    "shard_dim0": "ckptd.workers.sharded",
+    "select_prefix": "ckptd.workers.state_dict",
+    "snapshot": "ckptd.workers.state_dict",
+    "RunningState": "ckptd.workers.training_state",
+    "TrainingState": "ckptd.workers.training_state",
+    "capture_training_state": "ckptd.workers.training_state",
+    "save_training_state": "ckptd.workers.training_state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ckptd.workers.dtensor import ShardedState, sharded_state
+    from ckptd.workers.export import export_hf_async, export_hf_step
+    from ckptd.workers.hf import save_hf_model
+    from ckptd.workers.lora import save_lora_adapter
+    from ckptd.workers.sharded import Shard, export_hf, save_sharded, shard_dim0
+    from ckptd.workers.state_dict import select_prefix, snapshot
+    from ckptd.workers.training_state import (
+        RunningState,
+        TrainingState,
+        capture_training_state,
+        save_training_state,
+    )
 
 __all__ = [
     "RunningState",

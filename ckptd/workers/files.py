@@ -11,12 +11,11 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import IO, Any
-
-import torch
 
 from ckptd import phases
 from ckptd.checksum import crc32, hex_of
@@ -91,7 +90,8 @@ def _jsonable(obj: Any) -> Any:
         return obj.value
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
-    if isinstance(obj, torch.dtype):
+    torch = sys.modules.get("torch")  # a torch.dtype exists only where torch was imported
+    if torch is not None and isinstance(obj, torch.dtype):
         return str(obj).removeprefix("torch.")
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
@@ -102,6 +102,8 @@ def write_json(storage: Storage, path: str, obj: Any) -> WrittenFile:
 
 def write_torch(storage: Storage, path: str, obj: Any) -> WrittenFile:
     """``torch.save`` streamed into storage (no in-memory copy of the serialised bytes)."""
+    import torch
+
     return write_stream(storage, path, lambda w: torch.save(obj, w))
 
 
@@ -138,6 +140,8 @@ def load_torch(data: bytes, path: str) -> Any:
     Raises:
         UnsafeCheckpointError: the pickle needs more than tensors and plain containers.
     """
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

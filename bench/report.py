@@ -123,7 +123,7 @@ def targets_table(targets: dict[str, dict], skipped: list[tuple[str, str]]) -> s
     lines = ["| target | measured | 95 % interval | limit | pairs | verdict | note |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, t in targets.items():
-        bound = f"{'≥' if name in MINIMUMS else '≤'} {t['target']:g}"
+        bound = f"{'≥' if base_of(name) in MINIMUMS else '≤'} {t['target']:g}"
         if "pairs" in t:
             interval = f"{t['low']:.3g} – {t['high']:.3g}"
             lines.append(f"| {name} | {t['value']:.3g} | {interval} | {bound} | {t['pairs']} | {t['verdict']} | "

@@ -60,3 +60,4 @@ def test_qualified_target_names_find_their_limit_and_direction():
     # A rate is a minimum on every filesystem: below it is missed, above it met.
     assert checks["P4 notifications per second (disk)"]["verdict"] == "missed"
     assert checks["P4 notifications per second (RAM)"]["verdict"] == "met"
+    assert "| P4 notifications per second (disk) | 1.5e+03 | – | ≥ 2000 |" in targets_table(checks, [])

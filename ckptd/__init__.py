@@ -11,6 +11,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from ckptd._lazy import lazy_exports
+
 # The public names load on first use (PEP 562): a process that needs only part of ckptd pays
 # only for that part. The monitor actor's process imports this package to unpickle its class,
 # and the save path's torch import (seconds of CPU on a small machine) has no use there.
@@ -36,17 +38,7 @@ _SOURCES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _SOURCES)
 
 
 _SHADOWED = frozenset({"verify", "resume"})  # public functions that share a submodule's name

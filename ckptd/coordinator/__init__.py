@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckptd._lazy import lazy_exports
 
 # Loaded on first use (PEP 562), as in ckptd/__init__.py: a notification relay runs the
 # coordinator's client and notifier only, and needs none of the save path's torch.
@@ -11,13 +12,7 @@ _SOURCES = {"CheckpointCoordinator": "ckptd.coordinator.coordinator",
             "PreemptionGuard": "ckptd.coordinator.preemption"}
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), _SOURCES)
 
 
 if TYPE_CHECKING:

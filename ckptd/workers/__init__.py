@@ -8,8 +8,9 @@ training thread first (:func:`snapshot`); the writers run in the background.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckptd._lazy import lazy_exports
 
 # Loaded on first use (PEP 562), as in ckptd/__init__.py: the monitor reads and writes files
 # through ckptd.workers.files, and needs neither torch nor transformers for that.
@@ -33,17 +34,7 @@ _SOURCES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _SOURCES)
 
 
 if TYPE_CHECKING:

@@ -217,14 +217,7 @@ def test_a_copy_failing_at_its_third_chunk_never_commits_and_the_next_save_is_ex
     assert _visible(step_dir) == []  # neither the file nor its temporary stayed behind
 
     failpoints.disarm()
-    expected = {k: v.clone() for k, v in state.items()}
-    coord.save_state_async("model", state, s + 2, fenced=True)
-    coord.before_update()
-    _train_step_plain(state)
-    coord.register(s + 2, checkpoint_thread_count=1)
-    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, s + 2, "model", expected)
-    coord.close()
+    _next_fenced_save_is_exact(coord, root, state, s + 2)
 
 
 def test_an_eager_copy_failing_part_way_raises_at_the_call_and_a_retry_is_exact(env):
@@ -250,6 +243,19 @@ def _train_step_plain(state: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for t in state.values():
             t.add_(1)
+
+
+def _next_fenced_save_is_exact(coord, root, state, step):
+    """A fenced save of ``state`` at ``step`` after a failed one: it commits the state as it was
+    at before_update(), whatever training does next; then the coordinator is closed."""
+    expected = {k: v.clone() for k, v in state.items()}
+    coord.save_state_async("model", state, step, fenced=True)
+    coord.before_update()
+    _train_step_plain(state)
+    coord.register(step, checkpoint_thread_count=1)
+    coord.wait_committed(step, timeout_s=DEADLINE_S)
+    _assert_file_holds(root, step, "model", expected)
+    coord.close()
 
 
 @pytest.fixture
@@ -287,14 +293,7 @@ def test_a_write_failing_part_way_never_commits_and_the_next_save_is_exact(env, 
         coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
     assert _visible(step_dir) == []
 
-    expected = {k: v.clone() for k, v in state.items()}
-    coord.save_state_async("model", state, s + 2, fenced=True)
-    coord.before_update()
-    _train_step_plain(state)
-    coord.register(s + 2, checkpoint_thread_count=1)
-    coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
-    _assert_file_holds(root, s + 2, "model", expected)
-    coord.close()
+    _next_fenced_save_is_exact(coord, root, state, s + 2)
 
 
 # -- 3: buffers never shared -------------------------------------------------------------------

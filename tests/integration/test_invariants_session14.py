@@ -77,8 +77,11 @@ def test_tallies_rebuilt_mid_step_count_finished_running_and_failed_units(make_m
         wait_for(lambda s=step: len(_state(monitor, s).started) == 2, what=f"unit b of step {step} to be admitted")
     os.makedirs(coord.step_dir(3))
     coord.register(3, checkpoint_thread_count=1)
+    both_started = threading.Event()  # else a3 may finish before b3 starts: 1 of 1 commits step 3
     for name in ("a", "b"):
-        coord.save_async(f"{name}3", _writer(os.path.join(coord.step_dir(3), f"{name}.pt"), 4.0), 3)
+        coord.save_async(f"{name}3", _writer(os.path.join(coord.step_dir(3), f"{name}.pt"), 4.0, both_started), 3)
+    wait_for(lambda: len(_state(monitor, 3).started) == 2, what="both units of step 3 to be admitted")
+    both_started.set()
     coord.save_async("c", _writer(os.path.join(coord.step_dir(2), "c.pt"), 3.0, fail=True), 2)
     wait_for(lambda: _state(monitor, 2).state == "failed", what="step 2 to fail")
     wait_for(lambda: len(_state(monitor, 3).finished) == 2, what="both units of step 3 to finish")

@@ -13,7 +13,7 @@
         unit-{call}.json                     one receipt per finished or failed save call
         failed-{kind}.json                   why a kind of the step failed (timeout, commit)
       .ckptd/leases/{id}.json                a weight subscriber's read lease on a step
-      .ckptd/events/{run}/*.json             timeline events (ckptd timeline; see monitor/events.py)
+      .ckptd/events/{run}/*.json             timeline events (ckptd timeline; see monitor/event_store.py)
 
 A step of a kind exists for readers only if its manifest exists, on every backend. Steps are
 always ordered by the number parsed from the directory name, never by the name.

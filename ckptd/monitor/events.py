@@ -6,9 +6,9 @@ Spans come from where they happened (workers send theirs with their notification
 :class:`ckptd.protocol.TimingOutbox`; the monitor adds its own), in wall-clock seconds.
 
 :class:`EventLog` keeps the spans of the newest ``max_steps`` steps in memory, dropping the
-oldest steps first, and remembers which spans are not persisted yet. :class:`EventStore` writes
-them under the root, per run, as immutable chunk files; no append, so it works on object stores
-as on POSIX::
+oldest steps first, and remembers which spans are not persisted yet.
+:class:`~ckptd.monitor.event_store.EventStore` writes them under the root, per run, as
+immutable chunk files; no append, so it works on object stores as on POSIX::
 
     root/.ckptd/events/{run}/{ms}-{nonce}-{seq}-c.json   a chunk: spans recorded since the last one
     root/.ckptd/events/{run}/{ms}-{nonce}-{seq}-s.json   a snapshot: every span then in memory
@@ -17,29 +17,21 @@ Names sort in the order they were written. A reader takes the newest snapshot an
 after it; what precedes the snapshot is superseded (the writer deletes it after writing the
 snapshot). Each file is ``{"format": 1, "run": ..., "spans": [...]}``, published atomically.
 
-Plain Python, no Ray: the monitor actor owns one :class:`EventLog` and one :class:`EventStore`
-through :class:`ckptd.monitor.recorder.Recorder`.
+Plain Python, no Ray: the monitor actor owns one :class:`EventLog` and one
+:class:`~ckptd.monitor.event_store.EventStore` through :class:`ckptd.monitor.recorder.Recorder`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import threading
-import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ckptd.layout import LEDGER_DIR
-from ckptd.storage import Storage
-
 log = logging.getLogger("ckptd.monitor")
 
-FORMAT = 1
-EVENTS_DIR = f"{LEDGER_DIR}/events"
 DEFAULT_MAX_STEPS = 1000
 DEFAULT_MAX_SPANS = 200_000
 
@@ -225,7 +217,16 @@ class EventLog:
                         continue  # older than everything kept in a full log
                     self._steps[span.step] = []
                 kept = self._steps[span.step]
-                self._where.setdefault(span.identity, len(kept))  # amendments go to the first record
+                i = self._where.get(span.identity)
+                if i is not None:
+                    # A span kept already, sent again (Ray retried its notification): one record
+                    # per span, as readers keep, with the phases of both (amendments included).
+                    old = kept[i]
+                    new = dataclasses.replace(span, phases={**(span.phases or {}), **(old.phases or {})} or None)
+                    if new != old or new.phases != old.phases:
+                        self._replace(kept, i, new)
+                    continue
+                self._where[span.identity] = len(kept)
                 kept.append(span)
                 self._count += 1
                 if not flushed:
@@ -260,15 +261,20 @@ class EventLog:
                     continue
                 spans = self._steps[a.step]
                 span = spans[i]
-                new = dataclasses.replace(span, phases={**(span.phases or {}), **a.phases})
-                spans[i] = new
-                j = self._pending.pop(id(span), None)
-                if j is None:
-                    j = len(self._unflushed)
-                    self._unflushed.append(new)
-                else:
-                    self._unflushed[j] = new
-                self._pending[id(new)] = j
+                self._replace(spans, i, dataclasses.replace(span, phases={**(span.phases or {}), **a.phases}))
+
+    def _replace(self, spans: list[Span], i: int, new: Span) -> None:
+        """Put ``new`` in place of ``spans[i]``, to be persisted (again): in the old record's place
+        among the unflushed spans if it is there, else after them (readers keep the later record)."""
+        old = spans[i]
+        spans[i] = new
+        j = self._pending.pop(id(old), None)
+        if j is None:
+            j = len(self._unflushed)
+            self._unflushed.append(new)
+        else:
+            self._unflushed[j] = new
+        self._pending[id(new)] = j
 
     def spans(self) -> list[Span]:
         """Every span kept, by step, then start time."""
@@ -290,115 +296,3 @@ class EventLog:
         """Spans whose write failed: to be written with the next batch (unless their step was dropped)."""
         with self._lock:
             self._set_unflushed([s for s in spans if s.step in self._steps] + self._unflushed)
-
-
-@dataclass
-class EventStore:
-    """The persisted spans of one run under a root (see the module docstring for the layout).
-
-    Args:
-        storage: The root.
-        run: The run's name (a safe file name: :func:`ckptd.units.check_name`).
-        max_chunks: Past this many chunk files, :meth:`write` writes a snapshot instead and
-            deletes what it supersedes.
-    """
-
-    storage: Storage
-    run: str
-    max_chunks: int = 32
-    _nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    _seq: int = 0
-    _chunks: int | None = None  # chunk files since the newest snapshot, once known
-    _last_ms: int = 0  # names never go below this: the newest file's time, from any writer
-
-    @property
-    def directory(self) -> str:
-        return self.storage.join(EVENTS_DIR, self.run)
-
-    def _name(self, snapshot: bool) -> str:
-        self._seq += 1
-        # Never before an existing file: an earlier monitor of the run on a node whose clock ran
-        # ahead would otherwise leave the newest snapshot, and readers would ignore what follows.
-        self._last_ms = max(int(time.time() * 1000), self._last_ms)
-        return f"{self._last_ms:013d}-{self._nonce}-{self._seq:06d}-{'s' if snapshot else 'c'}.json"
-
-    def _publish(self, spans: list[Span], snapshot: bool) -> str:
-        body = {"format": FORMAT, "run": self.run, "snapshot": snapshot, "spans": [s.to_dict() for s in spans]}
-        name = self._name(snapshot)
-        # Not fsynced: losing the newest chunk to a power cut loses a few seconds of the picture.
-        self.storage.write_atomic(f"{self.directory}/{name}", json.dumps(body).encode(), durable=False)
-        return name
-
-    def write(self, new: list[Span], everything: list[Span]) -> None:
-        """Persist ``new`` as a chunk, or, once there are ``max_chunks`` chunks, ``everything``
-        (what the log holds) as a snapshot, then delete the files it supersedes.
-
-        Raises:
-            OSError (or the backend's error): the write failed; nothing was deleted.
-        """
-        if self._chunks is None:
-            current = _current_files(self.storage.listdir(self.directory))
-            self._chunks = sum(n.endswith("-c.json") for n in current)
-            self._last_ms = max([self._last_ms] + [_ms_of(n) + 1 for n in current])
-        if self._chunks < self.max_chunks:
-            self._publish(new, snapshot=False)
-            self._chunks += 1
-            return
-        name = self._publish(everything, snapshot=True)
-        self._chunks = 0
-        for old in self.storage.listdir(self.directory):
-            if old.endswith(".json") and old < name:
-                try:
-                    self.storage.rm(f"{self.directory}/{old}")
-                except OSError as e:  # a leftover is superseded anyway; the next snapshot retries
-                    log.warning("could not remove superseded timeline file %s: %s", old, e)
-
-
-def _ms_of(name: str) -> int:
-    """The time in a file's name (0 for a name that has none)."""
-    head = name.split("-", 1)[0]
-    return int(head) if head.isdigit() else 0
-
-
-def _current_files(names: list[str]) -> list[str]:
-    """The files a reader takes: the newest snapshot and the chunks after it, in order."""
-    names = sorted(n for n in names if n.endswith(("-c.json", "-s.json")))
-    snapshots = [i for i, n in enumerate(names) if n.endswith("-s.json")]
-    return names[snapshots[-1]:] if snapshots else names
-
-
-def runs_with_events(storage: Storage) -> list[str]:
-    """The runs that have persisted timeline events under the root."""
-    return sorted(storage.listdir(storage.join(EVENTS_DIR)))
-
-
-def read_events(storage: Storage, run: str) -> list[Span]:
-    """The persisted spans of ``run`` under the root, by step then start time.
-
-    A file removed while this reads (a snapshot superseded it) makes it list again; an
-    unreadable file is skipped with a warning.
-    """
-    directory = storage.join(EVENTS_DIR, run)
-    for _ in range(5):
-        names = _current_files(storage.listdir(directory))
-        spans: list[Span] = []
-        vanished = False
-        for name in names:
-            try:
-                text = storage.read_text_or_none(f"{directory}/{name}")
-                if text is None:
-                    vanished = True
-                    break
-                body = json.loads(text)
-                if not isinstance(body, dict) or body.get("format") != FORMAT:
-                    found = body.get("format") if isinstance(body, dict) else type(body).__name__
-                    raise ValueError(f"format {found!r}, this ckptd reads {FORMAT}")
-                spans += [Span.from_dict(d) for d in body["spans"]]
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
-                # Damage from outside ckptd (a truncated or overwritten file, UnicodeDecodeError
-                # included): the file's spans are lost, the others are still drawn.
-                log.warning("skipping unreadable timeline file %s: %s: %s", name, type(e).__name__, e)
-        if not vanished:
-            latest = {s.identity: s for s in spans}  # files in written order: a later record wins
-            return sorted(latest.values(), key=lambda s: (s.step, s.start))
-    raise OSError(f"the timeline files under {directory} kept changing while being read; try again")

@@ -14,14 +14,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ckptd import protocol
+from ckptd.monitor.event_store import EventStore, read_events
 from ckptd.monitor.events import (
     COMMIT,
     MIRROR,
     EventLog,
-    EventStore,
     Span,
     amendments_from_timing,
-    read_events,
     spans_from_timing,
 )
 from ckptd.storage import Storage

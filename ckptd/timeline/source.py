@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.monitor.events import Span, read_events, runs_with_events
+from ckptd.monitor.event_store import read_events, runs_with_events
+from ckptd.monitor.events import Span
 from ckptd.storage import Storage
 from ckptd.timeline.layout import Layout, build_layout
 

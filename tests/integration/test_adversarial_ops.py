@@ -21,7 +21,7 @@ import ckptd
 from ckptd.gc import plan_gc, run_gc
 from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker, scan_steps
 from ckptd.manifest import Manifest
-from ckptd.monitor.events import EVENTS_DIR
+from ckptd.monitor.event_store import EVENTS_DIR
 from ckptd.monitor.publication import LEASES
 from ckptd.monitor.retention import RetentionPolicy
 from ckptd.storage import Storage

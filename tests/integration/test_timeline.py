@@ -210,7 +210,8 @@ def test_finished_run_drawn_from_the_root(finished_run, tmp_path):
 
 def test_events_persist_on_an_object_store(s3_root):
     """Chunks and snapshots on a real S3-protocol server: no append, no rename needed."""
-    from ckptd.monitor.events import EventLog, EventStore, Span, read_events
+    from ckptd.monitor.event_store import EventStore, read_events
+    from ckptd.monitor.events import EventLog, Span
     from ckptd.storage import Storage
 
     url, options = s3_root

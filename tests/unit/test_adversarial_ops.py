@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from ckptd.monitor.events import EVENTS_DIR, EventLog, EventStore, Span, read_events, spans_from_timing
+from ckptd.monitor.event_store import EVENTS_DIR, EventStore, read_events
+from ckptd.monitor.events import EventLog, Span, spans_from_timing
 from ckptd.storage import Storage
 
 

@@ -25,7 +25,15 @@ class Model:
                 if len(self.steps) >= self.max_steps and span.step < min(self.steps):
                     continue
                 self.steps[span.step] = []
-            self.steps[span.step].append(span)
+            kept = self.steps[span.step]
+            same = [i for i, s in enumerate(kept) if s.identity == span.identity]
+            if same:  # sent again: one record, with the phases of both (the kept ones win)
+                old = kept[same[0]]
+                new = dataclasses.replace(span, phases={**(span.phases or {}), **(old.phases or {})} or None)
+                if new != old or new.phases != old.phases:
+                    self._put(kept, same[0], new)
+                continue
+            kept.append(span)
             if not flushed:
                 self.unflushed.append(span)
         dropped = set()
@@ -40,14 +48,16 @@ class Model:
             spans = self.steps.get(a.step, [])
             for i, span in enumerate(spans):
                 if span.identity == a.identity:
-                    new = dataclasses.replace(span, phases={**(span.phases or {}), **a.phases})
-                    spans[i] = new
-                    at = [j for j, s in enumerate(self.unflushed) if s is span]
-                    if at:
-                        self.unflushed[at[0]] = new
-                    else:
-                        self.unflushed.append(new)
+                    self._put(spans, i, dataclasses.replace(span, phases={**(span.phases or {}), **a.phases}))
                     break
+
+    def _put(self, spans, i, new):
+        span, spans[i] = spans[i], new
+        at = [j for j, s in enumerate(self.unflushed) if s is span]
+        if at:
+            self.unflushed[at[0]] = new
+        else:
+            self.unflushed.append(new)
 
     def take(self):
         out, self.unflushed = self.unflushed, []
@@ -69,7 +79,8 @@ def test_the_log_keeps_and_amends_what_the_linear_model_does(seed):
         op = rng.random()
         step, worker, start = rng.randrange(12), f"w{rng.randrange(6)}", float(rng.randrange(5))
         if op < 0.45:  # duplicates happen: a re-sent span has the identity of the first
-            spans = [Span(UNIT, step, start, start + 1, worker=worker, name="m", kind="checkpoint")
+            spans = [Span(UNIT, step, start, start + 1, worker=worker, name="m", kind="checkpoint",
+                          phases=rng.choice([None, {"write": 0.5}, {"receipt": rng.random()}]))
                      for _ in range(rng.randrange(1, 3))]
             flushed = rng.random() < 0.1
             log.add(spans, flushed=flushed)
@@ -88,6 +99,7 @@ def test_the_log_keeps_and_amends_what_the_linear_model_does(seed):
             model.give_back(model_back)
         got, want = log.spans(), model.spans()
         assert got == want and [s.phases for s in got] == [s.phases for s in want]
+        assert len({s.identity for s in got}) == len(got)  # one record per span, as readers keep
     assert log.take_unflushed() == model.take()
 
 

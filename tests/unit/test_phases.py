@@ -7,13 +7,12 @@ import time
 
 from ckptd import phases, protocol
 from ckptd.config import Kind
+from ckptd.monitor.event_store import EventStore, read_events
 from ckptd.monitor.events import (
     UNIT,
     EventLog,
-    EventStore,
     Span,
     amendments_from_timing,
-    read_events,
     spans_from_timing,
 )
 from ckptd.storage import Storage

@@ -12,17 +12,14 @@ import pytest
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError
+from ckptd.monitor.event_store import EVENTS_DIR, EventStore, read_events, runs_with_events
 from ckptd.monitor.events import (
     BLOCKED,
     COMMIT,
-    EVENTS_DIR,
     MIRROR,
     UNIT,
     EventLog,
-    EventStore,
     Span,
-    read_events,
-    runs_with_events,
     spans_from_timing,
 )
 from ckptd.monitor.recorder import Recorder

@@ -80,7 +80,11 @@ def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
 
 def is_internal(rel_path: str) -> bool:
     """ckptd's own files in a step directory: manifests and temp files of atomic writes."""
-    base = rel_path.rsplit("/", 1)[-1]
+    return is_internal_name(rel_path.rsplit("/", 1)[-1])
+
+
+def is_internal_name(base: str) -> bool:
+    """:func:`is_internal` of a base name."""
     return base.startswith(TMP_PREFIX) or base.startswith("ckptd_") and base.endswith("manifest.json")
 
 

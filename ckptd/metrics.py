@@ -101,7 +101,9 @@ RETRIED_REQUESTS = MetricSpec(
     "ckptd_retried_requests_total", _C,
     "Requests retried after an error. request: commit (the commit's storage I/O), tracker (advancing "
     "a tracker), mirror (an upload, manifest or tracker on the mirror, or reading its state), "
-    "monitor_call (a coordinator's call to an unreachable or restarting monitor).", ("run", "request"))
+    "monitor_call (a coordinator's call to an unreachable or restarting monitor), relay_call (a relay's "
+    "call upstream), failure_record (recording a step's failure, which is reported only once recorded).",
+    ("run", "request"))
 RETENTION_DELETIONS = MetricSpec(
     "ckptd_retention_deletions_total", _C,
     "Step directories deleted by retention (committed steps past the policy, and leftovers of failed "

@@ -12,8 +12,7 @@ import datetime as _dt
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import IO
+from typing import IO, NamedTuple
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -25,8 +24,10 @@ from ckptd.errors import CheckpointConfigError
 __all__ = ["TMP_PREFIX", "FileStat", "Storage"]
 
 
-@dataclass(frozen=True)
-class FileStat:
+class FileStat(NamedTuple):
+    """A file's size and modification time (None where the backend keeps none). A tuple: a
+    commit makes one per file of its step, 40,000 at 10,000 ranks."""
+
     size: int
     mtime_ns: int | None
 
@@ -145,6 +146,8 @@ class Storage:
     def listdir(self, path: str) -> list[str]:
         """Base names of the entries of a directory; empty if it does not exist."""
         try:
+            if self.is_posix:  # fsspec's ls costs microseconds per entry: 10,000 in a step of 10,000 ranks
+                return os.listdir(path)
             entries = self.fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -157,11 +160,14 @@ class Storage:
         info = self.fs.info(path)
         return FileStat(int(info.get("size") or 0), _mtime_ns(info))
 
-    def walk_files(self, path: str) -> dict[str, FileStat]:
-        """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``)."""
+    def walk_files(self, path: str, skip: Callable[[str], bool] | None = None) -> dict[str, FileStat]:
+        """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``).
+
+        ``skip``: leaves out the files whose base name it accepts (ckptd's own temp files, say).
+        """
         out: dict[str, FileStat] = {}
         if self.is_posix:
-            _scan_posix(path, "", out)
+            _scan_posix(path, "", out, skip)
             return out
         try:
             found = self.fs.find(path, detail=True)
@@ -170,6 +176,8 @@ class Storage:
         prefix = path.rstrip("/") + "/"
         for full, info in found.items():
             if info.get("type") == "directory" or not full.startswith(prefix):
+                continue
+            if skip is not None and skip(full.rsplit("/", 1)[-1]):
                 continue
             out[full[len(prefix):]] = FileStat(int(info.get("size") or 0), _mtime_ns(info))
         return out
@@ -198,7 +206,7 @@ def _mtime_ns(info: dict) -> int | None:
     return None
 
 
-def _scan_posix(path: str, rel: str, out: dict[str, FileStat]) -> None:
+def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None) -> None:
     """walk_files on POSIX: os.walk's view (symlinked directories are not entered; a symlinked
     file counts as its target), with names built by concatenation: a commit walks every file
     of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would double the time."""
@@ -207,14 +215,17 @@ def _scan_posix(path: str, rel: str, out: dict[str, FileStat]) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     for entry in entries:
-        name = rel + entry.name
         try:
-            if entry.is_dir(follow_symlinks=False):
-                _scan_posix(entry.path, name + "/", out)
+            if entry.is_file(follow_symlinks=False):  # the common case first: one call
+                pass
+            elif entry.is_dir(follow_symlinks=False):
+                _scan_posix(entry.path, f"{rel}{entry.name}/", out, skip)
                 continue
-            if entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
+            elif entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
+                continue
+            if skip is not None and skip(entry.name):
                 continue
             st = entry.stat()
         except FileNotFoundError:  # removed while we walked (a temp file, say)
             continue
-        out[name] = FileStat(st.st_size, st.st_mtime_ns)
+        out[rel + entry.name] = FileStat(st.st_size, st.st_mtime_ns)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Iterable
 
 from ckptd import phases
@@ -69,6 +70,8 @@ def step_path_of(storage: Storage, returned: list) -> str | None:
     for item in returned:
         p = item.path if isinstance(item, WrittenFile) else item
         full = _absolute(storage, os.fspath(p)) if isinstance(p, (str, os.PathLike)) else None
+        if full is not None and storage.is_posix:
+            full = posixpath.normpath(full)
         if full is not None and full.startswith(prefix):
             return prefix + full[len(prefix):].split("/", 1)[0]
     return None
@@ -89,6 +92,8 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
             )
         p = os.fspath(p)
         full = _absolute(storage, p)
+        if full is not None and storage.is_posix:
+            full = posixpath.normpath(full)  # "dir//a" and "dir/./a" name "dir/a", as storage lists it
         if full is not None:
             if not full.startswith(prefix):
                 raise CheckpointConfigError(
@@ -100,6 +105,10 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
             rel = p
         if ".." in rel.split("/"):
             raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
+        if storage.is_posix:
+            # The commit matches reports to the step directory's listing by name ("./a" is "a");
+            # on an object store "a//b" is a key of its own, so names are taken as they are.
+            rel = posixpath.normpath(rel)
         st = storage.stat(prefix + rel)
         if written is None:
             with phases.phase(phases.CHECKSUM):

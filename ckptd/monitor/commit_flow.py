@@ -22,6 +22,7 @@ from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 log = logging.getLogger("ckptd.monitor")
 
 _RETRY_BASE_S = 0.05
+_MAX_FAILURE_RETRY_S = 5.0
 _NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
@@ -85,12 +86,21 @@ class CommitFlow:
         self._failures_recorded.add(key)  # before the await: one record per failure
         written = self._failure_writes[key] = asyncio.Event()
         reason = rec[kind].reason or "failed"
-        try:
-            await self._in_thread(self._write_failure, rec.step, kind, reason)
-        except Exception as e:
-            # The unit's own failure receipt (if any) still keeps the step from committing after a
-            # restart; a timeout or commit failure would be found again by the restarted monitor.
-            log.error("could not record the failure of step %d (%s): %s", rec.step, kind.value, e)
+        tries = 0
+        while True:
+            # Nobody is told of the failure before it is recorded, however long that takes: a
+            # monitor restarted before then rebuilds the step from its units' receipts and, with
+            # every unit finished, would commit a step its callers had been told had failed.
+            try:
+                await self._in_thread(self._write_failure, rec.step, kind, reason)
+                break
+            except Exception as e:
+                tries += 1
+                delay = min(_RETRY_BASE_S * 2**tries, _MAX_FAILURE_RETRY_S)
+                log.error("could not record the failure of step %d (%s): %s: %s; retry %d in %.2f s (the failure "
+                          "is reported once it is recorded)", rec.step, kind.value, type(e).__name__, e, tries, delay)
+                self._metrics.inc(RETRIED_REQUESTS, request="failure_record")
+                await asyncio.sleep(delay)
         self._failures_durable.add(key)
         self._metrics.inc(FAILED_STEPS, kind=kind)
         written.set()

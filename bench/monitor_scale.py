@@ -4,6 +4,7 @@ and notifications handled per second."""
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 
@@ -94,6 +95,7 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
     flood_rate = (ray.get(monitor.status.remote()).notifications - before_flood) / (time.perf_counter() - t0)
     driver.close()
     ray.kill(monitor, no_restart=True)
+    shutil.rmtree(root, ignore_errors=True)  # on /dev/shm it would hold memory until reboot
     note = f"{workers} workers x {units} units, {steps} steps, on {len(actors)} host actors"
     scenario = f"P4 monitor ({label})"
     p50 = Row(scenario, "commit latency p50", "s", [statistics.median(latencies)], note)

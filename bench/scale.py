@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -158,4 +159,5 @@ def p9_scale(base_dir: str | None, ranks: int, units: int, steps: int, write_s: 
             ray.kill(s)
         driver.close()
         ray.kill(monitor, no_restart=True)
+        shutil.rmtree(root, ignore_errors=True)
     return rows

@@ -111,7 +111,9 @@ def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
         if item.committed:
             if item.step in _pinned(storage):
                 continue  # a tracker or a reader's lease came to it since the plan was made: keep it
-            delete_step(storage, StepEntry(item.step, item.path, kinds_in(storage, item.path)))
+            leftover = delete_step(storage, StepEntry(item.step, item.path, kinds_in(storage, item.path)))
+            if leftover is not None:
+                raise OSError(leftover)  # the step is gone; a second run empties the trash
         else:
             if item.step is not None and _committed_since(storage, item.path):
                 continue  # committed since the plan was made (a job came back): keep it

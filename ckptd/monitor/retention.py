@@ -96,8 +96,9 @@ def plan_retention(
 TRASH = ".ckptd/trash"
 
 
-def delete_step(storage: Storage, entry: StepEntry) -> None:
-    """Delete a step directory.
+def delete_step(storage: Storage, entry: StepEntry) -> str | None:
+    """Delete a step directory. Raises if the step is still in place; returns what went wrong
+    after it left the root (it stays in the trash, emptied again at the next pass), else None.
 
     POSIX: the directory is first renamed into ``.ckptd/trash`` (one atomic step: readers, and a
     monitor killed part-way, see the step whole or not at all), then removed. Elsewhere: manifests
@@ -110,12 +111,16 @@ def delete_step(storage: Storage, entry: StepEntry) -> None:
         os.makedirs(trash, exist_ok=True)
         target = f"{trash}/{entry.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, target)
-        remove_tree(storage, target)
-        return
+        try:
+            remove_tree(storage, target)
+        except OSError as e:  # deleted for readers already: only the trash is left to empty
+            return f"{entry.name} was deleted, but emptying it from {TRASH} failed: {e}"
+        return None
     for kind in (Kind.CHECKPOINT, Kind.STATE_DICT):
         if kind in entry.kinds:
             storage.rm(f"{path}/{MANIFESTS[kind]}")
     storage.rm(path)
+    return None
 
 
 def empty_trash(storage: Storage) -> None:
@@ -182,8 +187,11 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
         try:
             if before_delete is not None and entry.committed:
                 before_delete(entry)
-            delete_step(storage, entry)
+            leftover = delete_step(storage, entry)
             result.deleted.append(entry.step)
+            if leftover is not None:
+                log.warning("%s; retrying at the next pass", leftover)
+                result.errors.append(leftover)
         except Exception as e:  # best-effort clean-up: retried on the next pass
             msg = f"could not delete {entry.name}: {type(e).__name__}: {e}"
             log.warning("%s; retrying after the next commit", msg)
@@ -264,7 +272,14 @@ class RetentionRunner:
             self.idle.set()
 
     def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
-        empty_trash(self._storage)
+        trash_error = None
+        try:
+            empty_trash(self._storage)
+        except OSError as e:
+            # Best-effort clean-up, retried at every pass: what the trash holds is deleted for
+            # readers already, and one entry rm cannot remove must not stop the deletions below.
+            trash_error = f"could not empty {TRASH}: {e}"
+            log.warning("%s; retrying at the next pass", trash_error)
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
         # A committed step's ledger records go before its directory: a monitor killed in between
@@ -278,6 +293,9 @@ class RetentionRunner:
                 self._cleanup(entry.step)
 
         readers = self._readers
-        return run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
-                        claim=None if readers is None else readers.claim_for_delete,
-                        unclaim=None if readers is None else readers.deleted)
+        result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
+                          claim=None if readers is None else readers.claim_for_delete,
+                          unclaim=None if readers is None else readers.deleted)
+        if trash_error is not None:
+            result.errors.insert(0, trash_error)
+        return result

@@ -1,0 +1,109 @@
+"""Commit-path invariants, attacked through the changes after session 14d (the failure record's
+retries, retention's trash emptied by an ``rm -rf`` process, the leaner stat walk, the one-pass
+report check, returned paths normalised) with a real monitor, real files and real restarts.
+
+1. A tracker only ever names a step that ``ckptd.verify`` accepts.
+2. A step reported failed never commits, also after a monitor restart or under a new job.
+3. Nothing committed is lost, changed or overwritten: retention deletes no tracker target, no step
+   in flight, no leased step, and odd entries in a step directory make the walk skip no file.
+4. Trinity's semantics: registrations add up per kind; a full checkpoint waits for its step's
+   state-dict units.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.layout import MANIFESTS
+from ckptd.manifest import Manifest
+
+from .helpers import assert_trackers_verified, restart_monitor, status, wait_for
+
+CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
+
+
+def _manifest(root: str, step: int, kind: ckptd.Kind = CKPT) -> Manifest | None:
+    path = os.path.join(ckptd.step_dir(root, step), MANIFESTS[kind])
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Manifest.model_validate_json(f.read())
+
+
+def _steps(root: str) -> set[int]:
+    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
+
+
+def _save_weights(coord, root: str, step: int, extra=None) -> None:
+    """A state-dict step of one unit writing model.bin (and whatever ``extra(step_dir)`` adds)."""
+    def save() -> list[str]:
+        d = ckptd.step_dir(root, step)
+        os.makedirs(d, exist_ok=True)
+        with open(f"{d}/model.bin", "wb") as f:
+            f.write(os.urandom(128))
+        return [f"{d}/model.bin"] + (extra(d) if extra is not None else [])
+
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_async("weights", save, step, is_state_dict=True)
+    coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+
+
+def _immutable(path: str, on: bool) -> bool:
+    """chattr +i / -i: a file that even root cannot remove. False where the filesystem (or the
+    user) cannot do it."""
+    if shutil.which("chattr") is None:
+        return False
+    done = subprocess.run(["chattr", "+i" if on else "-i", path], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_trash_entry_rm_cannot_remove_does_not_stop_retention(make_monitor, tmp_path):
+    """Retention renames an old step into .ckptd/trash, then 'rm -rf' fails on a file in it (an
+    immutable file: chmod does not stop root). Every later pass began by emptying the trash and
+    raised there, so retention deleted nothing more: the disk filled up. The trash entry stays
+    (and is retried); the steps past the policy still go."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    stuck = []
+
+    def pinned(d: str) -> list[str]:
+        path = f"{d}/pinned.bin"
+        with open(path, "wb") as f:
+            f.write(b"p" * 16)
+        stuck.append(path)
+        return [path]
+
+    _save_weights(coord, root, 1, extra=pinned)
+    if not _immutable(stuck[0], True):
+        coord.close()
+        pytest.skip("chattr +i is not possible here")
+    trash = os.path.join(root, ".ckptd", "trash")
+    try:
+        for step in (2, 3):
+            _save_weights(coord, root, step)
+        assert ray.get(monitor.wait_retention.remote(60))
+        assert _steps(root) == {2, 3}  # step 1 went to the trash; rm could not remove all of it
+        (left,) = os.listdir(trash)
+        assert status(monitor).retention.errors, "the failed removal is reported"
+        for step in (4, 5):
+            _save_weights(coord, root, step)
+        assert ray.get(monitor.wait_retention.remote(60))
+        assert _steps(root) == {4, 5}
+        assert os.listdir(trash) == [left]  # retried at each pass, never lost track of
+    finally:
+        for dirpath, _dirs, files in os.walk(trash):
+            for name in files:
+                _immutable(os.path.join(dirpath, name), False)
+    # Once removable, the next pass empties the trash.
+    _save_weights(coord, root, 6)
+    assert ray.get(monitor.wait_retention.remote(60))
+    assert not os.path.exists(trash) or os.listdir(trash) == []
+    assert assert_trackers_verified(root)[SD] == 6
+    coord.close()

@@ -79,13 +79,12 @@ def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
 
 
 def is_internal(rel_path: str) -> bool:
-    """ckptd's own files in a step directory: manifests and temp files of atomic writes."""
-    return is_internal_name(rel_path.rsplit("/", 1)[-1])
-
-
-def is_internal_name(base: str) -> bool:
-    """:func:`is_internal` of a base name."""
-    return base.startswith(TMP_PREFIX) or base.startswith("ckptd_") and base.endswith("manifest.json")
+    """ckptd's own files in a step directory (``rel_path`` relative to it): the manifests, at its
+    top only, and temp files of atomic writes, anywhere. A file of that name in a subdirectory is
+    the job's (a copied step of another root, say), and is checked and listed like any other."""
+    if "/" in rel_path:
+        return rel_path.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
+    return rel_path.startswith(TMP_PREFIX) or rel_path.startswith("ckptd_") and rel_path.endswith("manifest.json")
 
 
 def build_manifest(step: int, kind: Kind, units: list[str], files: list[FileEntry], *,

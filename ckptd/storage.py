@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import IO, NamedTuple
@@ -163,7 +164,10 @@ class Storage:
     def walk_files(self, path: str, skip: Callable[[str], bool] | None = None) -> dict[str, FileStat]:
         """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``).
 
-        ``skip``: leaves out the files whose base name it accepts (ckptd's own temp files, say).
+        Only regular files count (a symlink counts as the file it points to): a named pipe or a
+        device in a step is no file of it, and opening one to checksum it would block.
+
+        ``skip``: leaves out the files whose relative path it accepts (ckptd's own temp files, say).
         """
         out: dict[str, FileStat] = {}
         if self.is_posix:
@@ -177,9 +181,10 @@ class Storage:
         for full, info in found.items():
             if info.get("type") == "directory" or not full.startswith(prefix):
                 continue
-            if skip is not None and skip(full.rsplit("/", 1)[-1]):
+            rel = full[len(prefix):]
+            if skip is not None and skip(rel):
                 continue
-            out[full[len(prefix):]] = FileStat(int(info.get("size") or 0), _mtime_ns(info))
+            out[rel] = FileStat(int(info.get("size") or 0), _mtime_ns(info))
         return out
 
 
@@ -208,8 +213,9 @@ def _mtime_ns(info: dict) -> int | None:
 
 def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None) -> None:
     """walk_files on POSIX: os.walk's view (symlinked directories are not entered; a symlinked
-    file counts as its target), with names built by concatenation: a commit walks every file
-    of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would double the time."""
+    file counts as its target) of regular files, with names built by concatenation: a commit
+    walks every file of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would
+    double the time."""
     try:
         entries = list(os.scandir(path))
     except (FileNotFoundError, NotADirectoryError):
@@ -217,15 +223,19 @@ def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[s
     for entry in entries:
         try:
             if entry.is_file(follow_symlinks=False):  # the common case first: one call
-                pass
+                regular = True
             elif entry.is_dir(follow_symlinks=False):
                 _scan_posix(entry.path, f"{rel}{entry.name}/", out, skip)
                 continue
             elif entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
                 continue
-            if skip is not None and skip(entry.name):
+            else:  # a symlink to a file, or no file at all (a fifo, a socket, a device)
+                regular = False
+            name = rel + entry.name
+            if skip is not None and skip(name):
                 continue
             st = entry.stat()
         except FileNotFoundError:  # removed while we walked (a temp file, say)
             continue
-        out[rel + entry.name] = FileStat(st.st_size, st.st_mtime_ns)
+        if regular or stat.S_ISREG(st.st_mode):
+            out[name] = FileStat(st.st_size, st.st_mtime_ns)

@@ -27,7 +27,7 @@ from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
-from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal_name
+from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
 from ckptd.monitor.attempts import FencedError, check_fence
 from ckptd.storage import FileStat, Storage
 from ckptd.template import StepDirTemplate
@@ -122,7 +122,7 @@ class Committer:
             text = None if kind in plan.kinds else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
             if text is not None:
                 committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
-        on_storage = self.storage.walk_files(step_path, skip=is_internal_name)
+        on_storage = self.storage.walk_files(step_path, skip=is_internal)
         claimed = self._check_reports(plan, step_path, on_storage)
         for rel, entry in committed.items():
             st = on_storage.get(rel)

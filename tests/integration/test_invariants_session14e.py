@@ -107,3 +107,47 @@ def test_a_trash_entry_rm_cannot_remove_does_not_stop_retention(make_monitor, tm
     assert not os.path.exists(trash) or os.listdir(trash) == []
     assert assert_trackers_verified(root)[SD] == 6
     coord.close()
+
+
+def test_a_fifo_in_a_step_directory_neither_hangs_the_commit_nor_enters_the_manifest(make_monitor, tmp_path):
+    """A save leaves a named pipe in its step directory (a tool's progress pipe, say). The walk
+    listed it as a file of size 0, and the commit opened it to checksum it: the monitor's I/O
+    thread blocked for ever and the step never committed. Only regular files (or links to them)
+    are files of a step."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+
+    def fifo(d: str) -> list[str]:
+        os.mkfifo(f"{d}/progress.pipe")
+        os.symlink(f"{d}/progress.pipe", f"{d}/pipe.link")
+        return []
+
+    _save_weights(coord, root, 1, extra=fifo)
+    assert [f.path for f in _manifest(root, 1, SD).files] == ["model.bin"]
+    assert assert_trackers_verified(root)[SD] == 1
+    coord.close()
+
+
+def test_a_file_named_like_a_ckptd_manifest_below_the_top_of_a_step_is_a_file_of_the_step(make_monitor, tmp_path):
+    """A save copies a committed step of another ckptd root into a subdirectory (a reference
+    model), manifest included: ref/ckptd_manifest.json. Only the top of a step directory holds
+    ckptd's manifests; the walk skipped the name anywhere, so the step failed ("missing from
+    storage") when the save named the file, and the file was left out of the manifest (no CRC
+    protects it) when the save's files were found by time."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+
+    def reference(d: str) -> list[str]:
+        os.makedirs(f"{d}/ref")
+        for name in ("ckptd_manifest.json", "ckptd_state_dict_manifest.json"):
+            with open(f"{d}/ref/{name}", "w") as f:
+                f.write('{"copied": true}')
+        return [f"{d}/ref/ckptd_manifest.json"]  # the other one is found as written outside units
+
+    _save_weights(coord, root, 1, extra=reference)
+    assert sorted(f.path for f in _manifest(root, 1, SD).files) == [
+        "model.bin", "ref/ckptd_manifest.json", "ref/ckptd_state_dict_manifest.json"]
+    assert assert_trackers_verified(root)[SD] == 1
+    coord.close()

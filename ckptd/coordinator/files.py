@@ -64,6 +64,14 @@ def _absolute(storage: Storage, p: str) -> str | None:
     return None
 
 
+def _normpath(p: str) -> str:
+    """A POSIX path as the step directory's listing names it: "dir//a", "dir/./a" and
+    "dir/../dir/a" are "dir/a". normpath keeps two leading slashes (POSIX leaves their meaning to
+    the system); Linux, like every system ckptd runs on, reads "//x" as "/x"."""
+    p = posixpath.normpath(p)
+    return "/" + p.lstrip("/") if p.startswith("//") else p
+
+
 def step_path_of(storage: Storage, returned: list) -> str | None:
     """The step directory that absolute returned paths lie in (the first component under root)."""
     prefix = storage.root.rstrip("/") + "/"
@@ -71,7 +79,7 @@ def step_path_of(storage: Storage, returned: list) -> str | None:
         p = item.path if isinstance(item, WrittenFile) else item
         full = _absolute(storage, os.fspath(p)) if isinstance(p, (str, os.PathLike)) else None
         if full is not None and storage.is_posix:
-            full = posixpath.normpath(full)
+            full = _normpath(full)
         if full is not None and full.startswith(prefix):
             return prefix + full[len(prefix):].split("/", 1)[0]
     return None
@@ -93,7 +101,7 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
         p = os.fspath(p)
         full = _absolute(storage, p)
         if full is not None and storage.is_posix:
-            full = posixpath.normpath(full)  # "dir//a" and "dir/./a" name "dir/a", as storage lists it
+            full = _normpath(full)
         if full is not None:
             if not full.startswith(prefix):
                 raise CheckpointConfigError(
@@ -101,14 +109,14 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
                     "write every file of a step under ckptd.step_dir(root, step)"
                 )
             rel = full[len(prefix):]
-        else:
-            rel = p
-        if ".." in rel.split("/"):
-            raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
-        if storage.is_posix:
+        elif storage.is_posix:
             # The commit matches reports to the step directory's listing by name ("./a" is "a");
             # on an object store "a//b" is a key of its own, so names are taken as they are.
-            rel = posixpath.normpath(rel)
+            rel = _normpath(p)
+        else:
+            rel = p
+        if ".." in rel.split("/"):  # what is left of ".." after normpath escapes
+            raise CheckpointConfigError(f"save_fn returned {p!r}, which escapes the step directory")
         st = storage.stat(prefix + rel)
         if written is None:
             with phases.phase(phases.CHECKSUM):

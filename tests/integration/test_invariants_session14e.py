@@ -151,3 +151,28 @@ def test_a_file_named_like_a_ckptd_manifest_below_the_top_of_a_step_is_a_file_of
         "model.bin", "ref/ckptd_manifest.json", "ref/ckptd_state_dict_manifest.json"]
     assert assert_trackers_verified(root)[SD] == 1
     coord.close()
+
+
+def test_returned_paths_that_name_a_file_of_the_step_in_other_spellings_commit(make_monitor, tmp_path):
+    """A save function returns its files as '//<step dir>/model.bin' (POSIX: the same file; "/" +
+    an absolute path gives it), 'sub/../sub/optim.bin' and './/extra.bin'. Each names a file of
+    the step, and the step commits listing each once by its name on storage (the first was refused
+    as outside the step, the second as escaping it, which the same path made absolute was not)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    out = coord.step_dir(3)
+
+    def save() -> list[str]:
+        os.makedirs(f"{out}/sub")
+        for rel in ("model.bin", "sub/optim.bin", "extra.bin"):
+            with open(f"{out}/{rel}", "wb") as f:
+                f.write(os.urandom(64))
+        return ["/" + f"{out}/model.bin", "sub/../sub/optim.bin", ".//extra.bin", f"{out}/sub/./../sub/optim.bin"]
+
+    coord.register(3, checkpoint_thread_count=1)
+    coord.save_async("model", save, 3)
+    coord.wait_committed(3, timeout_s=30)
+    assert sorted(f.path for f in _manifest(root, 3).files) == ["extra.bin", "model.bin", "sub/optim.bin"]
+    assert assert_trackers_verified(root)[CKPT] == 3
+    coord.close()

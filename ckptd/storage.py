@@ -161,17 +161,19 @@ class Storage:
         info = self.fs.info(path)
         return FileStat(int(info.get("size") or 0), _mtime_ns(info))
 
-    def walk_files(self, path: str, skip: Callable[[str], bool] | None = None) -> dict[str, FileStat]:
+    def walk_files(self, path: str, skip: Callable[[str], bool] | None = None,
+                   links: list[str] | None = None) -> dict[str, FileStat]:
         """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``).
 
         Only regular files count (a symlink counts as the file it points to): a named pipe or a
         device in a step is no file of it, and opening one to checksum it would block.
 
         ``skip``: leaves out the files whose relative path it accepts (ckptd's own temp files, say).
+        ``links``: gets the relative paths of the files listed that are symbolic links (POSIX).
         """
         out: dict[str, FileStat] = {}
         if self.is_posix:
-            _scan_posix(path, "", out, skip)
+            _scan_posix(path, "", out, skip, links)
             return out
         try:
             found = self.fs.find(path, detail=True)
@@ -211,7 +213,8 @@ def _mtime_ns(info: dict) -> int | None:
     return None
 
 
-def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None) -> None:
+def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None,
+                links: list[str] | None = None) -> None:
     """walk_files on POSIX: os.walk's view (symlinked directories are not entered; a symlinked
     file counts as its target) of regular files, with names built by concatenation: a commit
     walks every file of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would
@@ -225,7 +228,7 @@ def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[s
             if entry.is_file(follow_symlinks=False):  # the common case first: one call
                 regular = True
             elif entry.is_dir(follow_symlinks=False):
-                _scan_posix(entry.path, f"{rel}{entry.name}/", out, skip)
+                _scan_posix(entry.path, f"{rel}{entry.name}/", out, skip, links)
                 continue
             elif entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
                 continue
@@ -239,3 +242,5 @@ def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[s
             continue
         if regular or stat.S_ISREG(st.st_mode):
             out[name] = FileStat(st.st_size, st.st_mtime_ns)
+            if not regular and links is not None:
+                links.append(name)

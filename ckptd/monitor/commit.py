@@ -20,6 +20,7 @@ Invariants it keeps:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -122,7 +123,9 @@ class Committer:
             text = None if kind in plan.kinds else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
             if text is not None:
                 committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
-        on_storage = self.storage.walk_files(step_path, skip=is_internal)
+        links: list[str] = []
+        on_storage = self.storage.walk_files(step_path, skip=is_internal, links=links)
+        self._check_links(step_path, links)
         claimed = self._check_reports(plan, step_path, on_storage)
         for rel, entry in committed.items():
             st = on_storage.get(rel)
@@ -215,6 +218,24 @@ class Committer:
             # must stay in the state dict's manifest.
             out[rel] = min(match, key=lambda c: (c[1] in plan.found, c[1] not in plan.sd_units, c[1]))
         return out
+
+    def _check_links(self, step_path: str, links: list[str]) -> None:
+        """Refuse a file that is a symbolic link into another directory under the root (another
+        step, say): retention, gc or a retirement deleting that directory would take a file of
+        this step with it once committed. Links within the step, or out of the root, are the
+        job's to keep."""
+        if not links:
+            return
+        root = os.path.realpath(self.storage.root) + "/"
+        step = os.path.realpath(step_path) + "/"
+        for rel in sorted(links):
+            target = os.path.realpath(f"{step_path}/{rel}")
+            if target.startswith(root) and not target.startswith(step):
+                raise CommitCheckError(
+                    f"{step_path}/{rel} is a symbolic link to {target}, outside its step directory but under "
+                    "the checkpoint root: deleting that (retention, gc, a retirement) would take a committed "
+                    "file of this step with it. Copy or hard-link the file into the step instead"
+                )
 
     def _unchanged(self, path: str, entry: FileEntry, st: FileStat) -> bool:
         """Whether the file at ``path`` (as ``st``) still holds what ``entry`` describes: same size

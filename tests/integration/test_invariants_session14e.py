@@ -176,3 +176,39 @@ def test_returned_paths_that_name_a_file_of_the_step_in_other_spellings_commit(m
     assert sorted(f.path for f in _manifest(root, 3).files) == ["extra.bin", "model.bin", "sub/optim.bin"]
     assert assert_trackers_verified(root)[CKPT] == 3
     coord.close()
+
+
+def test_a_link_into_another_step_is_refused_so_retention_cannot_break_a_committed_step(make_monitor, tmp_path):
+    """Steps 2 and 3 link their frozen embeddings to step 1's file instead of writing them again.
+    Retention (two state dicts kept) deletes step 1, and the committed step 3, the tracker's
+    step, lost a file: verify rejected it. A file of a step that is a link into another directory
+    under the root now fails its step, naming the file; a link within the step, or to a file
+    outside the root (a shared tokenizer), still commits."""
+    root = str(tmp_path / "ckpt")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "tokenizer.json").write_text("{}")
+    monitor = make_monitor(root, max_state_dict_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+
+    def embeddings(d: str) -> list[str]:
+        with open(f"{d}/embed.bin", "wb") as f:
+            f.write(b"e" * 64)
+        os.symlink("model.bin", f"{d}/model.link")
+        os.symlink(shared / "tokenizer.json", f"{d}/tokenizer.json")
+        return [f"{d}/embed.bin", f"{d}/model.link", f"{d}/tokenizer.json"]
+
+    _save_weights(coord, root, 1, extra=embeddings)
+    for step in (2, 3):
+        def linked(d: str) -> list[str]:
+            os.symlink("../global_step_1/embed.bin", f"{d}/embed.bin")
+            return [f"{d}/embed.bin"]
+
+        with pytest.raises(ckptd.CheckpointSaveError, match=r"embed\.bin.*link"):
+            _save_weights(coord, root, step, extra=linked)
+    _save_weights(coord, root, 4)
+    assert ray.get(monitor.wait_retention.remote(60))
+    assert assert_trackers_verified(root)[SD] == 4
+    for step in _steps(root) & {1, 4}:
+        ckptd.verify(root, step)
+    coord.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 
 import pytest
 import ray
@@ -211,4 +212,131 @@ def test_a_link_into_another_step_is_refused_so_retention_cannot_break_a_committ
     assert assert_trackers_verified(root)[SD] == 4
     for step in _steps(root) & {1, 4}:
         ckptd.verify(root, step)
+    coord.close()
+
+
+def _refuse_failure_records(monitor, refuse: bool) -> None:
+    """Storage refuses the monitor's failure records (the before_failure_record failpoint, armed
+    in the running monitor's process only: a restarted one starts without it)."""
+    def set_it(_self):
+        from ckptd import failpoints
+        if refuse:
+            failpoints.arm("before_failure_record", "raise")
+        else:
+            failpoints.disarm("before_failure_record")
+    ray.get(monitor.__ray_call__.remote(set_it))
+
+
+def _fail_commit_check(coord, monitor, step: int) -> str:
+    """Step ``step`` of two units whose commit check fails (a reported file grew after its unit
+    reported it); returns that file."""
+    out = coord.step_dir(step)
+    os.makedirs(out)
+    coord.register(step, checkpoint_thread_count=2)
+    path = os.path.join(out, "a.bin")
+    with open(path, "wb") as f:
+        f.write(b"a" * 100)
+    coord.save_sync(lambda: [path], step)
+    with open(path, "ab") as f:
+        f.write(b"more")
+    coord.save_sync(lambda: [], step)
+    wait_for(lambda: status(monitor).step(step).state.value == "failed", what=f"step {step} failed in memory")
+    return path
+
+
+def test_a_monitor_killed_while_its_failure_record_is_refused_never_commits_a_reported_failure(
+        make_monitor, tmp_path):
+    """The failure record of step 7 is refused, and the monitor is SIGKILLed inside its retry
+    loop: nobody had been told. The restarted monitor fails the step again from storage (the file
+    is still changed) and reports it once recorded; then a further restart and a new job on the
+    same root never commit it, and the new job's steps commit."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    _refuse_failure_records(monitor, True)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    _fail_commit_check(coord, monitor, 7)
+    wait_for(lambda: ray.get(monitor.__ray_call__.remote(
+        lambda self: (7, CKPT) in self._failures_recorded and (7, CKPT) not in self._failures_durable)),
+        what="the retry loop")
+    with pytest.raises(TimeoutError):  # not recorded: not reported
+        coord.wait_committed(7, timeout_s=0.5)
+    coord.wait_all()  # both units succeeded: wait_all does not report the step's failure
+    restart_monitor(monitor, how="sigkill")
+    with pytest.raises(ckptd.CheckpointSaveError, match="commit failed"):
+        coord.wait_committed(7, timeout_s=30)
+    restart_monitor(monitor)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(7, timeout_s=30)
+    coord.close()
+    assert _manifest(root, 7) is None and ckptd.latest_step(root) is None
+
+    run = ray.get(monitor.ping.remote())["run"]
+    ray.kill(monitor, no_restart=True)  # the job ends
+    job = make_monitor(root, run=f"{run}-b")
+    coord = ckptd.CheckpointCoordinator(job, worker_id="w1")
+    _save_weights(coord, root, 8)
+    coord.close()
+    assert 7 not in _steps(root) and _manifest(root, 7) is None
+    assert assert_trackers_verified(root) == {SD: 8, CKPT: None}
+
+
+def test_a_new_job_taking_over_while_the_old_monitor_retries_a_failure_record(make_monitor, tmp_path, run_name):
+    """The old job's monitor is retrying step 7's failure record (nobody was told) when a new
+    job takes the root over: the old monitor is stopped mid-retry, and the failure never reached
+    storage. The new job never commits step 7 (the old attempt's uncommitted step is cleaned up),
+    not after its own restart either, and its own steps commit."""
+    root = str(tmp_path / "ckpt")
+    old = make_monitor(root)
+    _refuse_failure_records(old, True)
+    coord = ckptd.CheckpointCoordinator(old, worker_id="w0")
+    _fail_commit_check(coord, old, 7)
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(7, timeout_s=0.5)
+    job = make_monitor(root, run=f"{run_name}-b", takeover=True)
+    assert not os.path.exists(ckptd.step_dir(root, 7))  # the old attempt's uncommitted step: gone
+    new = ckptd.CheckpointCoordinator(job, worker_id="w1")
+    _save_weights(new, root, 8)
+    restart_monitor(job)
+    _save_weights(new, root, 9)
+    new.close()
+    coord.close()
+    assert 7 not in _steps(root) and _manifest(root, 7) is None
+    assert assert_trackers_verified(root) == {SD: 9, CKPT: None}
+
+
+def test_registrations_add_up_and_a_full_checkpoint_waits_for_its_state_dict_unit(make_monitor, tmp_path):
+    """Trinity: a state dict of one unit and two checkpoint registrations of one unit each. Both
+    checkpoint units finish first: the full checkpoint waits for the state-dict unit (and for the
+    second registration's unit); then one commit lists all three files and moves both trackers."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    out = coord.step_dir(5)
+    os.makedirs(out)
+    release = threading.Event()
+
+    def writer(name: str, gate: threading.Event | None = None):
+        def save() -> list[str]:
+            if gate is not None:
+                assert gate.wait(60), "never released"
+            with open(f"{out}/{name}", "wb") as f:
+                f.write(os.urandom(32))
+            return [f"{out}/{name}"]
+        return save
+
+    coord.register(5, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(5, checkpoint_thread_count=1)
+    coord.save_async("weights", writer("model.bin", release), 5, is_state_dict=True)
+    coord.save_async("optim", writer("optim.bin"), 5)
+    wait_for(lambda: len(status(monitor).step(5).finished) == 1, what="the first checkpoint unit")
+    coord.register(5, checkpoint_thread_count=1)  # adds to the first: two checkpoint units now
+    coord.save_sync(writer("rng.bin"), 5)
+    with pytest.raises(TimeoutError):
+        coord.wait_committed(5, timeout_s=0.5)
+    assert _manifest(root, 5) is None
+    release.set()
+    coord.wait_committed(5, timeout_s=30)
+    assert sorted(f.path for f in _manifest(root, 5).files) == ["model.bin", "optim.bin", "rng.bin"]
+    assert _manifest(root, 5).registered == 2
+    assert assert_trackers_verified(root) == {SD: 5, CKPT: 5}
     coord.close()

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import IO, NamedTuple
+from typing import IO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -21,16 +20,9 @@ from fsspec.implementations.local import LocalFileSystem
 from ckptd import phases
 from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_path, strategy_for
 from ckptd.errors import CheckpointConfigError
+from ckptd.walk import FileStat, scan, scan_large
 
 __all__ = ["TMP_PREFIX", "FileStat", "Storage"]
-
-
-class FileStat(NamedTuple):
-    """A file's size and modification time (None where the backend keeps none). A tuple: a
-    commit makes one per file of its step, 40,000 at 10,000 ranks."""
-
-    size: int
-    mtime_ns: int | None
 
 
 class Storage:
@@ -162,7 +154,7 @@ class Storage:
         return FileStat(int(info.get("size") or 0), _mtime_ns(info))
 
     def walk_files(self, path: str, skip: Callable[[str], bool] | None = None,
-                   links: list[str] | None = None) -> dict[str, FileStat]:
+                   links: list[str] | None = None, large: bool = False) -> dict[str, FileStat]:
         """Every file under ``path``, keyed by its path relative to ``path`` (with ``/``).
 
         Only regular files count (a symlink counts as the file it points to): a named pipe or a
@@ -170,11 +162,12 @@ class Storage:
 
         ``skip``: leaves out the files whose relative path it accepts (ckptd's own temp files, say).
         ``links``: gets the relative paths of the files listed that are symbolic links (POSIX).
+        ``large``: the caller expects thousands of files; on POSIX they are then walked outside
+        this process (:func:`ckptd.walk.scan_large`), so that its other threads go on meanwhile.
         """
-        out: dict[str, FileStat] = {}
         if self.is_posix:
-            _scan_posix(path, "", out, skip, links)
-            return out
+            return (scan_large if large else scan)(path, skip, links)
+        out: dict[str, FileStat] = {}
         try:
             found = self.fs.find(path, detail=True)
         except FileNotFoundError:
@@ -211,36 +204,3 @@ def _mtime_ns(info: dict) -> int | None:
         if isinstance(value, (int, float)):
             return int(value * 1e9)
     return None
-
-
-def _scan_posix(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None,
-                links: list[str] | None = None) -> None:
-    """walk_files on POSIX: os.walk's view (symlinked directories are not entered; a symlinked
-    file counts as its target) of regular files, with names built by concatenation: a commit
-    walks every file of its step, 40,000 at 10,000 ranks, and os.path.relpath per file would
-    double the time."""
-    try:
-        entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in entries:
-        try:
-            if entry.is_file(follow_symlinks=False):  # the common case first: one call
-                regular = True
-            elif entry.is_dir(follow_symlinks=False):
-                _scan_posix(entry.path, f"{rel}{entry.name}/", out, skip, links)
-                continue
-            elif entry.is_dir():  # a symlink to a directory: os.walk lists it, never as a file
-                continue
-            else:  # a symlink to a file, or no file at all (a fifo, a socket, a device)
-                regular = False
-            name = rel + entry.name
-            if skip is not None and skip(name):
-                continue
-            st = entry.stat()
-        except FileNotFoundError:  # removed while we walked (a temp file, say)
-            continue
-        if regular or stat.S_ISREG(st.st_mode):
-            out[name] = FileStat(st.st_size, st.st_mtime_ns)
-            if not regular and links is not None:
-                links.append(name)

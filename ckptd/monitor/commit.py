@@ -36,6 +36,9 @@ from ckptd.template import StepDirTemplate
 log = logging.getLogger("ckptd.monitor")
 
 OUTSIDE_UNITS = "(written outside save units)"
+# Files reported from which a step is walked outside the monitor's process (ckptd.walk): below,
+# starting that process costs more than the walk.
+LARGE_STEP = 2000
 
 
 class CommitCheckError(CheckpointError):
@@ -124,7 +127,8 @@ class Committer:
             if text is not None:
                 committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
         links: list[str] = []
-        on_storage = self.storage.walk_files(step_path, skip=is_internal, links=links)
+        reported = sum(map(len, plan.reports.values()))
+        on_storage = self.storage.walk_files(step_path, skip=is_internal, links=links, large=reported >= LARGE_STEP)
         self._check_links(step_path, links)
         claimed = self._check_reports(plan, step_path, on_storage)
         for rel, entry in committed.items():

@@ -98,6 +98,9 @@ def test_every_metric_reaches_rays_prometheus_endpoint(metrics_port, tmp_path, r
         # also has a fenced staged save from the driver. Retention keeps two steps on each tier.
         for step in (3, 4, 5):
             ray.get(worker.save.remote(step))
+            # Done before the driver writes into step 4: the worker's save_fn returns None, so its
+            # files are found by time, and it would find (and count) the driver's file too.
+            assert ray.get(worker.wait_all.remote()) is None
             units = 1
             if step == 4:
                 driver.save_state_async("extra", {"w": torch.arange(1000, dtype=torch.float32)}, 4, fenced=True)
@@ -148,7 +151,7 @@ def test_every_metric_reaches_rays_prometheus_endpoint(metrics_port, tmp_path, r
             except OSError:  # the metrics agent is still starting
                 time.sleep(0.5)
                 continue
-            wrong = {name: scrape.value(name, **labels) for name, (labels, want) in expected.items()
+            wrong = {name: (scrape.value(name, **labels), f"want {want}") for name, (labels, want) in expected.items()
                      if scrape.value(name, **labels) != want}
             wrong.update({f"{name}{{request={req}}}": scrape.value(name, run=run_name, request=req)
                           for (name, req), want in extra.items()

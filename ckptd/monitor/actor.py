@@ -325,7 +325,10 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
             await asyncio.sleep(period)
             try:
                 for rec, _kind in self._ledger.expire(time.time()):
-                    await self._after_change(rec)
+                    if self._after_change_sync(rec):
+                        # In a task of its own: recording the failure retries for as long as storage
+                        # refuses it, and slot and lease expiry below must go on meanwhile.
+                        self._spawn(self._record_new_failures(rec))
                 self._slots.expire()
                 self._expire_readers(time.time())
                 self._warn()

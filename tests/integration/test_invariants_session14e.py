@@ -340,3 +340,31 @@ def test_registrations_add_up_and_a_full_checkpoint_waits_for_its_state_dict_uni
     assert _manifest(root, 5).registered == 2
     assert assert_trackers_verified(root) == {SD: 5, CKPT: 5}
     coord.close()
+
+
+def test_writer_slots_expire_while_a_timed_out_steps_failure_record_is_refused(make_monitor, tmp_path, run_name):
+    """Step 5 times out while storage refuses failure records: the monitor retries the record
+    (nobody is told before it is written). Housekeeping awaited that retry loop, so a dead
+    writer's slot was never taken back and every other save waited for it. The slot lease must
+    still expire; once storage takes the record, the timeout is reported."""
+    from .helpers import SaveWorker, Signal
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, save_strategy="single_thread", slot_lease_s=1.0, step_timeout_s=1.0)
+    _refuse_failure_records(monitor, True)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(5, checkpoint_thread_count=1)  # never saved: times out
+    wait_for(lambda: ray.get(monitor.__ray_call__.remote(
+        lambda self: (5, CKPT) in self._failures_recorded and (5, CKPT) not in self._failures_durable)),
+        what="the failure record's retry loop")
+    worker = SaveWorker.remote(run_name, 0)
+    ray.get(worker.save.remote(1, gate=Signal.remote()))  # holds the slot, never finishes
+    wait_for(lambda: status(monitor).writers.holders, what="the worker to hold the slot")
+    ray.kill(worker)
+    wait_for(lambda: not status(monitor).writers.holders, timeout_s=20, what="the dead writer's slot to expire")
+    with pytest.raises(TimeoutError):  # not recorded yet: not reported
+        coord.wait_committed(5, timeout_s=0.5)
+    _refuse_failure_records(monitor, False)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(5, timeout_s=30)
+    coord.close()

@@ -73,7 +73,8 @@ def _find(path: str, skip: Callable[[str], bool] | None) -> tuple[dict[str, File
         with tempfile.TemporaryFile() as answer:
             # "path/": a start that is a symlink to a directory is walked, as os.scandir does.
             code = subprocess.call([find, path.rstrip("/") + "/", "-mindepth", "1", "!", "-type", "d", "-printf",
-                                    _FORMAT], stdin=subprocess.DEVNULL, stdout=answer, stderr=subprocess.DEVNULL)
+                                    _FORMAT], stdin=subprocess.DEVNULL, stdout=answer, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, "LC_ALL": "C"})  # "1.5", never "1,5"
             answer.seek(0)
             data = answer.read()
     except OSError:
@@ -83,6 +84,13 @@ def _find(path: str, skip: Callable[[str], bool] | None) -> tuple[dict[str, File
     fields = data.decode(sys.getfilesystemencoding(), "surrogateescape").split("\0")
     if len(fields) % _FIELDS != 1:  # the answer ends with a separator
         return None
+    try:
+        return _parse(path, fields, skip)
+    except ValueError:  # not the answer expected of GNU find
+        return None
+
+
+def _parse(path: str, fields: list[str], skip: Callable[[str], bool] | None) -> tuple[dict[str, FileStat], list[str]]:
     out: dict[str, FileStat] = {}
     links: list[str] = []
     it = iter(fields)

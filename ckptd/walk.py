@@ -9,7 +9,8 @@ entered, a symlink to a file counts as that file, a dangling link, a fifo or a d
   another process, outside the caller's GIL: in the monitor, notifications and other steps go on
   while a large step is walked (0.3 s of the monitor's GIL at 40,000 files in Python, about 0.05 s
   to read ``find``'s answer). Anything unexpected (no GNU find, a file removed during the walk, an
-  unreadable directory) falls back to :func:`scan`, which then raises or skips as it always does.
+  unreadable directory, an answer it cannot parse) falls back to :func:`scan`, which then raises
+  or skips as it always does.
 """
 
 from __future__ import annotations

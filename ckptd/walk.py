@@ -9,12 +9,17 @@ entered, a symlink to a file counts as that file, a dangling link, a fifo or a d
   another process, outside the caller's GIL: in the monitor, notifications and other steps go on
   while a large step is walked (0.3 s of the monitor's GIL at 40,000 files in Python, about 0.05 s
   to read ``find``'s answer). Anything unexpected (no GNU find, a file removed during the walk, an
-  unreadable directory, an answer it cannot parse) falls back to :func:`scan`, which then raises
-  or skips as it always does.
+  unreadable directory, an answer it cannot parse, a time before 1970 with a fraction of a second,
+  a path of PATH_MAX bytes or more) falls back to :func:`scan`, which then raises or skips as it
+  always does.
+
+In both, a symlink that leads to no file (its target gone, a loop of links, a path through a
+file) is no file of the step, as a dangling one always was.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -37,6 +42,14 @@ class FileStat(NamedTuple):
 # Type, path relative to the start, size, modification time (seconds, 10 decimals).
 _FORMAT = r"%y\0%P\0%s\0%T@\0"
 _FIELDS = 4
+
+# What following a symlink (or stating an entry removed meanwhile) fails with where no file is
+# there to list: gone, a path through a file ("file/x"), a loop of links. Such a link is dangling:
+# no file of a step, in both walks.
+_NO_FILE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
+# The longest path the Python walk can stat (PATH_MAX, its NUL included): find walks deeper, by
+# relative names, and would list files that neither the Python walk nor a checksum can open.
+_PATH_MAX = 4096
 
 
 def scan(path: str, skip: Callable[[str], bool] | None = None, links: list[str] | None = None) -> dict[str, FileStat]:
@@ -94,16 +107,22 @@ def _find(path: str, skip: Callable[[str], bool] | None) -> tuple[dict[str, File
 def _parse(path: str, fields: list[str], skip: Callable[[str], bool] | None) -> tuple[dict[str, FileStat], list[str]]:
     out: dict[str, FileStat] = {}
     links: list[str] = []
+    start = len(os.fsencode(path.rstrip("/"))) + 1
     it = iter(fields)
     for kind, rel, size, mtime in zip(it, it, it, it, strict=False):  # drops the final ""
+        # Encoded only where it might be that long: 4 bytes a character at most.
+        if start + len(rel) * 4 >= _PATH_MAX and start + len(os.fsencode(rel)) >= _PATH_MAX:
+            raise ValueError(f"{rel!r}: a path longer than the Python walk can stat")
         if kind == "f":
             if skip is None or not skip(rel):
                 out[rel] = FileStat(int(size), _ns(mtime))
         elif kind == "l" and (skip is None or not skip(rel)):  # a link counts as its target, if a file
             try:
                 st = os.stat(os.path.join(path, rel))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+            except OSError as e:
+                if e.errno in _NO_FILE:
+                    continue
+                raise
             if stat.S_ISREG(st.st_mode):
                 out[rel] = FileStat(st.st_size, st.st_mtime_ns)
                 links.append(rel)
@@ -125,13 +144,20 @@ def _gnu_find() -> str | None:
 
 
 def _ns(seconds: str) -> int:
-    """Nanoseconds of find's ``%T@`` ("1700000000.1234567890"), exactly, without a float."""
+    """Nanoseconds of find's ``%T@`` ("1700000000.1234567890"), exactly, without a float.
+
+    Raises:
+        ValueError: a time before 1970 with a fraction of a second. GNU find 4.9 prints the whole
+            seconds rounded down and then a fraction to add (-1.5 s as "-2.5000000000"), which
+            reads as -2.5; rather than rely on that, such a time is left to the Python walk.
+    """
     dot = seconds.find(".")
-    if dot > 0 and len(seconds) - dot == 11:  # GNU find's: 10 decimals, the last one always 0
+    if dot > 0 and len(seconds) - dot == 11 and seconds[0] != "-":  # GNU find's: 10 decimals, the last always 0
         return int(seconds[:dot] + seconds[dot + 1:]) // 10
     whole, _, frac = seconds.partition(".")
-    part = int((frac + "000000000")[:9])
-    return int(whole) * 1_000_000_000 + (-part if whole.startswith("-") else part)
+    if whole.startswith("-") and frac.strip("0"):
+        raise ValueError(f"{seconds!r}: a time before 1970, with a fraction of a second")
+    return int(whole) * 1_000_000_000 + int((frac + "000000000")[:9])
 
 
 def _scan(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], bool] | None,
@@ -156,8 +182,10 @@ def _scan(path: str, rel: str, out: dict[str, FileStat], skip: Callable[[str], b
             if skip is not None and skip(name):
                 continue
             st = entry.stat()
-        except FileNotFoundError:  # removed while we walked (a temp file, say)
-            continue
+        except OSError as e:  # removed while we walked (a temp file, say), or a dangling link
+            if e.errno in _NO_FILE:
+                continue
+            raise
         if regular or stat.S_ISREG(st.st_mode):
             out[name] = FileStat(st.st_size, st.st_mtime_ns)
             if not regular and links is not None:

@@ -4,17 +4,17 @@ sees, on trees with what users' save functions and filesystems leave in a step d
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 
 import ckptd
 from ckptd import walk
 from ckptd.config import Kind
-from ckptd.manifest import FileEntry, is_internal
-from ckptd.monitor.commit import LARGE_STEP, CommitCheckError, CommitPlan, Committer
+from ckptd.manifest import is_internal
+from ckptd.monitor.commit import CommitCheckError
 from ckptd.storage import Storage
-from ckptd.template import StepDirTemplate
+
+from .helpers import large_step
 
 needs_find = pytest.mark.skipif(walk._gnu_find() is None, reason="no GNU find here: scan_large is scan")
 
@@ -141,18 +141,7 @@ def test_a_large_step_walked_by_find_commits_and_fails_as_a_small_one_does(tmp_p
     and every way it must refuse, are those of the Python walk."""
     root = str(tmp_path / "ckpt")
     step_dir = ckptd.step_dir(root, 1)
-    reports = {}
-    for r in range(LARGE_STEP // 4 + 1):
-        os.makedirs(f"{step_dir}/rank{r}")
-        entries = []
-        for u in range(4):
-            path = f"{step_dir}/rank{r}/u{u}.bin"
-            data = f"{r}-{u}".encode()
-            with open(path, "wb") as f:
-                f.write(data)
-            entries.append(FileEntry(path=f"rank{r}/u{u}.bin", size=len(data), crc32=f"{zlib.crc32(data):08x}",
-                                     mtime_ns=os.stat(path).st_mtime_ns))
-        reports[f"rank{r}/save#{r}"] = entries
+    committer, plan = large_step(root)
     if damage == "missing":
         os.remove(f"{step_dir}/rank7/u1.bin")
     elif damage == "resized":
@@ -169,9 +158,6 @@ def test_a_large_step_walked_by_find_commits_and_fails_as_a_small_one_does(tmp_p
         with open(f"{other}/shared.bin", "wb") as f:
             f.write(b"s")
         os.symlink(f"{other}/shared.bin", f"{step_dir}/shared.bin")
-    committer = Committer(Storage(root), StepDirTemplate("global_step_{step}"), 0)
-    plan = CommitPlan(step=1, kinds=[Kind.CHECKPOINT], reports=reports, units={Kind.CHECKPOINT: sorted(reports)},
-                      sd_units=set())
     if damage in ("missing", "resized"):
         with pytest.raises(CommitCheckError, match="rank7/u1.bin"):
             committer.commit(plan)
@@ -182,6 +168,6 @@ def test_a_large_step_walked_by_find_commits_and_fails_as_a_small_one_does(tmp_p
         return
     manifest = committer.commit(plan)[Kind.CHECKPOINT]
     listed = {f.path for f in manifest.files}
-    assert len(listed) == 4 * len(reports) + (damage == "unclaimed")
+    assert len(listed) == 4 * len(plan.reports) + (damage == "unclaimed")
     assert ("outside.bin" in listed) == (damage == "unclaimed")
     ckptd.verify(root, 1, kind="checkpoint")

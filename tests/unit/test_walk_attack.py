@@ -7,17 +7,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import zlib
 
 import pytest
 
 import ckptd
 from ckptd import walk
 from ckptd.config import Kind
-from ckptd.manifest import FileEntry
-from ckptd.monitor.commit import LARGE_STEP, CommitPlan, Committer
-from ckptd.storage import Storage
-from ckptd.template import StepDirTemplate
+
+from .helpers import large_step
 
 needs_find = pytest.mark.skipif(walk._gnu_find() is None, reason="no GNU find here: scan_large is scan")
 
@@ -109,8 +106,16 @@ def test_files_created_and_removed_during_the_walk_give_a_right_answer_or_none(t
     stable = walk.scan(str(base))
     stop = threading.Event()
 
+    failed: list[BaseException] = []
+
     def churn() -> None:
-        k = 0
+        try:
+            _churn()
+        except BaseException as e:  # a churn that stopped would leave the walks nothing to race
+            failed.append(e)
+
+    def _churn() -> None:
+        k = 1  # odd: make the directory first
         while not stop.is_set():
             tmp = base / f"rank{k % 20}" / f"tmp{k}"
             tmp.write_bytes(b"t")
@@ -138,6 +143,7 @@ def test_files_created_and_removed_during_the_walk_give_a_right_answer_or_none(t
     finally:
         stop.set()
         thread.join()
+    assert not failed, f"the churning thread failed: {failed[0]!r}"
 
 
 @needs_find
@@ -147,30 +153,19 @@ def test_a_large_step_with_old_times_and_dead_links_commits_and_verifies(tmp_pat
     it lists is what verify accepts."""
     root = str(tmp_path / "ckpt")
     step_dir = ckptd.step_dir(root, 1)
-    reports = {}
-    for r in range(LARGE_STEP // 4 + 1):
-        os.makedirs(f"{step_dir}/rank{r}")
-        entries = []
-        for u in range(4):
-            path = f"{step_dir}/rank{r}/u{u}.bin"
-            data = f"{r}-{u}".encode()
-            with open(path, "wb") as f:
-                f.write(data)
-            if (r, u) == (5, 2):
-                os.utime(path, ns=(-1_500_000_000, -1_500_000_000))
-            entries.append(FileEntry(path=f"rank{r}/u{u}.bin", size=len(data), crc32=f"{zlib.crc32(data):08x}",
-                                     mtime_ns=os.stat(path).st_mtime_ns))
-        reports[f"rank{r}/save#{r}"] = entries
+
+    def old_time(path: str, rank: int, unit: int) -> None:
+        if (rank, unit) == (5, 2):
+            os.utime(path, ns=(-1_500_000_000, -1_500_000_000))
+
+    committer, plan = large_step(root, touch=old_time)
     with open(f"{step_dir}/outside.bin", "wb") as f:
         f.write(b"written by the job outside any unit")
     os.utime(f"{step_dir}/outside.bin", ns=(-7, -7))
     os.symlink("loop", f"{step_dir}/loop")
     os.symlink("outside.bin/x", f"{step_dir}/rank0/through-a-file")
-    committer = Committer(Storage(root), StepDirTemplate("global_step_{step}"), 0)
-    plan = CommitPlan(step=1, kinds=[Kind.CHECKPOINT], reports=reports, units={Kind.CHECKPOINT: sorted(reports)},
-                      sd_units=set())
     manifest = committer.commit(plan)[Kind.CHECKPOINT]
     listed = {f.path: f for f in manifest.files}
-    assert len(listed) == 4 * len(reports) + 1
+    assert len(listed) == 4 * len(plan.reports) + 1
     assert listed["outside.bin"].mtime_ns == -7 and listed["rank5/u2.bin"].mtime_ns == -1_500_000_000
     ckptd.verify(root, 1, kind="checkpoint")

@@ -55,10 +55,12 @@ def _absolute(storage: Storage, p: str) -> str | None:
     """The storage path of an absolute path or URL; None for a path relative to the step.
 
     Object stores' own paths have no leading slash (``bucket/run/...``): those under the root
-    count as absolute too, which is what ckptd's writers return there.
+    count as absolute too, which is what ckptd's writers return there. On POSIX the path is
+    normalised, as the step directory's listing names it.
     """
     if "://" in p or p.startswith("/"):
-        return storage.fs._strip_protocol(p)
+        full = storage.fs._strip_protocol(p)
+        return _normpath(full) if storage.is_posix else full
     if not storage.is_posix and p.startswith(storage.root.rstrip("/") + "/"):
         return p
     return None
@@ -78,8 +80,6 @@ def step_path_of(storage: Storage, returned: list) -> str | None:
     for item in returned:
         p = item.path if isinstance(item, WrittenFile) else item
         full = _absolute(storage, os.fspath(p)) if isinstance(p, (str, os.PathLike)) else None
-        if full is not None and storage.is_posix:
-            full = _normpath(full)
         if full is not None and full.startswith(prefix):
             return prefix + full[len(prefix):].split("/", 1)[0]
     return None
@@ -100,8 +100,6 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
             )
         p = os.fspath(p)
         full = _absolute(storage, p)
-        if full is not None and storage.is_posix:
-            full = _normpath(full)
         if full is not None:
             if not full.startswith(prefix):
                 raise CheckpointConfigError(

@@ -211,8 +211,11 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         except CheckpointConfigError as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
         failed = await self._failure_for(reg)
-        if failed is not None:
-            return failed  # nothing is written for a step that already failed
+        if failed is not None and self._ledger.registration_is_moot(reg):
+            return failed  # nothing is written when every kind it concerns already failed
+        # A kind it concerns may still commit (the state dict of a step whose checkpoint unit
+        # failed first): apply it, then report the failure, so that the outcome does not depend
+        # on whether the failure came before or after the registration.
         rec = self._ledger.get(reg.step)
         if rec is None or reg.reg_id not in rec.registrations:
             # Durable before acknowledged: a restarted monitor must still know what to expect.
@@ -224,7 +227,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
     async def _failure_for(self, reg: Registration) -> dict | None:
         """The error to answer a registration with if a kind it concerns failed (once recorded)."""
         await self.durable(reg.step)
-        for kind in {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}:
+        for kind in sorted(self._ledger.kinds_concerned(reg), key=lambda k: k is not reg.monitored):
             failure = self._ledger.failure_of(reg.step, kind)
             if failure is not None:
                 unit, cause = failure

@@ -118,6 +118,21 @@ class StepLedger:
                 "units of the step across all workers)"
             )
 
+    @staticmethod
+    def kinds_concerned(reg: Registration) -> set[Kind]:
+        """The kinds a registration adds units to or asks to be committed. (A full checkpoint
+        asks for the state dict too, but a state dict with registered units was asked for by the
+        registration that added them.)"""
+        return {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}
+
+    def registration_is_moot(self, reg: Registration) -> bool:
+        """True if every kind ``reg`` concerns has settled (failed or committed), so applying it
+        could change no outcome. Otherwise it must be applied even if one of its kinds failed:
+        the state dict of a step commits whether a checkpoint unit of the step failed before or
+        after the registration."""
+        return all(self.state_of(reg.step, k) in (StepState.COMMITTED, StepState.FAILED)
+                   for k in self.kinds_concerned(reg))
+
     def register(self, reg: Registration, *, replay: bool = False) -> StepRecord:
         """Apply a registration (idempotent by ``reg_id``).
 

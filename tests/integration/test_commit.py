@@ -15,7 +15,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import SaveWorker, Signal, status
+from .helpers import SaveWorker, Signal, restart_monitor, status
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -162,6 +162,37 @@ def test_failing_save_surfaces_and_never_commits(make_monitor, tmp_path):
     coord.wait_all()
     coord.wait_committed(2, timeout_s=30)
     assert ckptd.latest_step(root) == 2
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_checkpoint_unit_failing_before_the_registration_leaves_the_state_dict_to_commit(
+        make_monitor, tmp_path, restart):
+    """Found by the chaos test (seed 2510326555): the checkpoint unit of step 1 fails before the
+    trainer registers the step's full checkpoint with one state-dict unit. The registration
+    reports the failure, and still counts: the state dict of step 1 commits, as it does when the
+    failure comes after the registration (also across a monitor restart in between)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_sync(lambda: _write(root, 0, "sd.bin"), 0, is_state_dict=True)
+    coord.register(0, is_state_dict=True, state_dict_thread_count=1)
+    coord.wait_committed(0, is_state_dict=True, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.save_sync(lambda: 1 / 0, 1)  # the checkpoint unit: failed and reported
+    with pytest.raises(ckptd.CheckpointSaveError, match="ZeroDivisionError") as info:
+        coord.register(1, state_dict_thread_count=1, checkpoint_thread_count=1)
+    assert info.value.kind == "checkpoint"
+    if restart:
+        restart_monitor(monitor)
+    coord.save_async("model", lambda: _write(root, 1, "sd.bin"), 1, is_state_dict=True)
+    coord.wait_all()
+    coord.wait_committed(1, is_state_dict=True, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointSaveError, match="ZeroDivisionError"):
+        coord.wait_committed(1, timeout_s=30)
+    assert tracker(root, "latest_state_dict_iteration.txt") == "1\n"
+    assert ckptd.latest_step(root, "state_dict") == 1 and ckptd.latest_step(root) is None
+    assert [f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]] == ["sd.bin"]
+    assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
 
 
 def test_save_sync_failure_raises_at_once(make_monitor, tmp_path):

@@ -159,6 +159,37 @@ def test_a_failed_unit_after_the_state_dict_commit_fails_only_the_full_checkpoin
     assert rec[SD].state is StepState.COMMITTED and rec[CKPT].state is StepState.FAILED
 
 
+@pytest.mark.parametrize("failure_first", [False, True])
+def test_a_failed_checkpoint_unit_leaves_the_state_dict_of_its_step_to_commit_in_either_order(
+        ledger, failure_first):
+    """Found by the chaos test (seed 2510326555): a full checkpoint registered with state-dict
+    units, whose checkpoint unit failed before the registration came, kept its state dict from
+    ever committing. The outcome may not depend on that order."""
+    ck = unit(1, CKPT, "optim")
+    r = reg(1, sd=1, ckpt=1)
+
+    def fail_ck():
+        ledger.admit(ck, 0.0)
+        ledger.fail(ck, UnitFailure(unit=ck.label, error_type="OSError", message="disk full"), 0.0)
+
+    if failure_first:
+        fail_ck()
+        assert not ledger.registration_is_moot(r)  # its state dict can still commit: apply it
+        ledger.register(r)
+    else:
+        ledger.register(r)
+        fail_ck()
+    rec = ledger.get(1)
+    run(ledger, unit(1, SD))
+    assert ledger.ready(rec) == [SD] and rec[CKPT].state is StepState.FAILED
+    # A registration whose every kind has settled changes nothing: it is not applied.
+    assert ledger.registration_is_moot(reg(1, ckpt=1))
+    ledger.begin_commit(rec, [SD], 0.0)
+    ledger.commit_done(rec, SD, 0.0, [], [])
+    assert ledger.registration_is_moot(reg(1, sd=1, ckpt=1))
+    assert not ledger.registration_is_moot(reg(2, ckpt=1))
+
+
 def test_nothing_is_admitted_into_a_committed_checkpoint_and_late_units_do_not_count(ledger):
     ledger.register(reg(1, ckpt=1))
     rec = ledger.get(1)

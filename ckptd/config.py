@@ -158,6 +158,11 @@ class MonitorOptions(RetentionLimits):
             node picks one by its id), which send to the monitor, so that the monitor receives
             a few large batches instead of one call per node: for thousands of nodes (about the
             square root of the node count). 0 sends straight to the monitor.
+        direct_io: How workers write large local files (32 MiB and up, such as the safetensors
+            files of ``save_state_async`` and the HF and sharded writers): ``"auto"`` with
+            O_DIRECT, past the page cache, on ext4 and xfs; ``"on"`` on any local filesystem
+            that accepts it; ``"off"`` always through the page cache. Files are fsynced either
+            way; see :mod:`ckptd.direct_io`.
 
     NOTE: retention deletes whole step directories, and only committed steps older than the
     newest commit. The tracker targets and steps still being saved are never deleted.
@@ -182,6 +187,7 @@ class MonitorOptions(RetentionLimits):
     timeline_flush_s: float = Field(default=2.0)
     node_relay: bool = False
     relay_zones: int = Field(default=0)
+    direct_io: Literal["auto", "on", "off"] = "auto"
 
     @field_validator("step_dir_template")
     @classmethod

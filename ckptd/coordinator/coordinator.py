@@ -102,7 +102,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         self._attempt = int(cfg["attempt"])
         self._client.bind(cfg["run"], cfg.get("namespace"))
         self._root_url = cfg["root"]
-        self._storage = Storage(cfg["root"], cfg["storage_options"])
+        self._storage = Storage(cfg["root"], cfg["storage_options"], cfg["options"].get("direct_io", "auto"))
         self._template = StepDirTemplate(cfg["step_dir_template"])
         ctx = ray.get_runtime_context()
         self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),

@@ -86,7 +86,7 @@ class StagedSaves:
             streamed = self._writer is None and fenced
             write_fn = (partial(write_flat_into, self._storage, path, metadata={"format": "pt"}) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
-                                     metadata={"format": "pt"}))
+                                     metadata={"format": "pt"}, direct_io=self._storage.direct_io))
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
         elif self._writer is not None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch.multiprocessing as tmp
 
 from ckptd import phases
+from ckptd.direct_io import DirectIO
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
@@ -49,9 +50,9 @@ def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[
 
 
 def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
-               metadata: dict[str, str]) -> list[WrittenFile]:
+               metadata: dict[str, str], direct_io: DirectIO = "auto") -> list[WrittenFile]:
     """:func:`write_flat_into` for a writer process, which opens the root itself."""
-    return write_flat_into(Storage(root, storage_options), path, snapshot, metadata)
+    return write_flat_into(Storage(root, storage_options, direct_io), path, snapshot, metadata)
 
 
 def check_picklable(write_fn: Callable) -> None:

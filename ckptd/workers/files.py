@@ -8,8 +8,10 @@ pickles with ``torch.load(weights_only=True)`` only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import pickle
 import sys
 from collections.abc import Callable
@@ -19,10 +21,13 @@ from typing import IO, Any
 
 from ckptd import phases
 from ckptd.checksum import crc32, hex_of
+from ckptd.direct_io import DirectWriter, direct_io_for, enable
 from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.storage import Storage
 from ckptd.threads import lower_priority
+
+log = logging.getLogger("ckptd.files")
 
 _CHUNK = 64 << 20
 
@@ -69,16 +74,29 @@ class ChecksumWriter(io.RawIOBase):
         self.size += len(view)
         return len(view)
 
-    def record(self, path: str) -> WrittenFile:
-        return WrittenFile(path=path, size=self.size, crc32=hex_of(self.crc))
 
+def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | DirectWriter], None],
+                 size: int | None = None) -> WrittenFile:
+    """Open ``path`` for writing, let ``fill`` write into it, and return what was written.
 
-def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter], None]) -> WrittenFile:
-    """Open ``path`` for writing, let ``fill`` write into it, and return what was written."""
+    ``size``, the number of bytes ``fill`` will write when known, lets a large local file go
+    past the page cache (see :mod:`ckptd.direct_io` and the storage's ``direct_io`` mode).
+    """
     with phases.phase(phases.WRITE), storage.open_write(path) as f:
-        w = ChecksumWriter(f)
-        fill(w)
-    return w.record(path)
+        if storage.is_posix and direct_io_for(storage.direct_io, path, size) and enable(f.fileno()):
+            w: ChecksumWriter | DirectWriter = DirectWriter(f.fileno())
+            try:
+                fill(w)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the fill's error is the one to raise
+                    w.abort()
+                raise
+            w.close()
+            log.debug("%s: %d bytes written %s", path, w.size, "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)")
+        else:
+            w = ChecksumWriter(f)
+            fill(w)
+    return WrittenFile(path=path, size=w.size, crc32=hex_of(w.crc))
 
 
 def write_bytes(storage: Storage, path: str, data: bytes) -> WrittenFile:

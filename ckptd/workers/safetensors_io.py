@@ -99,4 +99,4 @@ def write_safetensors(
                 ready(t, end)
                 w.write(data[start:end])
 
-    return write_stream(storage, path, fill)
+    return write_stream(storage, path, fill, size=8 + len(raw) + offset)

@@ -3,6 +3,7 @@ shared-memory buffers; what it writes, where it runs, what it refuses, and a wri
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from functools import partial
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptd
+from ckptd.coordinator.writer_process import write_flat
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
@@ -90,3 +92,38 @@ def test_a_writer_process_killed_mid_write_fails_that_save_and_the_next_gets_a_n
     coord.wait_committed(2, timeout_s=60)
     assert ckptd.latest_step(root) == 2
     coord.close()
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_large_fenced_save_with_direct_io_is_the_snapshot_and_commits(make_monitor, tmp_path, caplog, writer):
+    """A 40 MiB state written with O_DIRECT (direct_io="on" reaches each coordinator and its
+    writer process): the file holds the fenced snapshot, not the tensors changed after it, and
+    it verifies against its manifest."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root, direct_io="on"), worker_id="w0", writer=writer)
+    assert coord._storage.direct_io == "on"
+    state = {"w": torch.randn(10 << 20), "odd": torch.arange(1001, dtype=torch.int16)}
+    want = {k: v.clone() for k, v in state.items()}
+    with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
+        coord.save_state_async("model", state, 1, fenced=True)
+        coord.register(1, checkpoint_thread_count=1)
+        coord.before_update()
+        state["w"].add_(1.0)
+        assert wait_all(coord) is None
+        coord.wait_committed(1, timeout_s=60)
+    got = load_file(os.path.join(root, "global_step_1", "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    ckptd.verify(root, 1)
+    if writer == "thread":  # the process writer logs in its own process
+        assert "model.safetensors: 41945" in caplog.text and "with O_DIRECT" in caplog.text
+    coord.close()
+
+
+def test_write_flat_opens_the_root_with_the_direct_io_mode(tmp_path, caplog):
+    state = {"w": torch.randn(9 << 20)}
+    for mode in ("on", "off"):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
+            [written] = write_flat(str(tmp_path), None, f"{tmp_path}/{mode}.safetensors", state, {}, direct_io=mode)
+        assert written.size > 36 << 20
+        assert ("with O_DIRECT" in caplog.text) == (mode == "on")

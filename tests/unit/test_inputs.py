@@ -53,6 +53,9 @@ def test_unknown_and_invalid_options_say_what_to_do():
     with pytest.raises(CheckpointConfigError, match="save_strategy"):
         MonitorOptions.parse({"save_strategy": "one_at_a_time"})
     assert MonitorOptions.parse({"save_strategy": "single_node"}).save_strategy is SaveStrategy.SINGLE_NODE
+    with pytest.raises(CheckpointConfigError, match="direct_io: Input should be 'auto', 'on' or 'off'"):
+        MonitorOptions.parse({"direct_io": "sometimes"})
+    assert MonitorOptions.parse({}).direct_io == "auto"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import mmap
 import os
 import threading
@@ -118,12 +119,12 @@ def _give_buffer(buf: mmap.mmap) -> None:
     # Otherwise dropped: it is unmapped once no view of it is left.
 
 
-class DirectWriter:
+class DirectWriter(io.RawIOBase):
     """A write-only stream into ``fd`` (a new, empty file with O_DIRECT set) that keeps the
     CRC-32 and count of what it was given, like :class:`~ckptd.workers.files.ChecksumWriter`.
 
-    :meth:`close` must run before the file is used: it writes the last buffer and truncates the
-    padding. If the kernel refuses an O_DIRECT write (EINVAL), O_DIRECT is cleared and the same
+    :meth:`finish` must run before the file is used: it writes the last buffer and truncates the
+    padding (:meth:`abort` instead, when the stream is abandoned). If the kernel refuses an O_DIRECT write (EINVAL), O_DIRECT is cleared and the same
     bytes are written buffered; :attr:`direct` then says False.
     """
 
@@ -141,6 +142,9 @@ class DirectWriter:
         self.direct = True
         self.crc = 0
         self.size = 0
+
+    def writable(self) -> bool:
+        return True
 
     def write(self, b) -> int:
         import numpy as np
@@ -204,7 +208,7 @@ class DirectWriter:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
+    def finish(self) -> None:
         """Write what is left, wait for every write, and cut the padding off. Raises the first
         write error (the file is then incomplete: the caller discards it)."""
         try:

@@ -79,7 +79,7 @@ def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | D
                  size: int | None = None) -> WrittenFile:
     """Open ``path`` for writing, let ``fill`` write into it, and return what was written.
 
-    ``size``, the number of bytes ``fill`` will write when known, lets a large local file go
+    ``size``, about how many bytes ``fill`` will write when known, lets a large local file go
     past the page cache (see :mod:`ckptd.direct_io` and the storage's ``direct_io`` mode).
     """
     with phases.phase(phases.WRITE), storage.open_write(path) as f:
@@ -91,7 +91,7 @@ def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | D
                 with contextlib.suppress(Exception):  # the fill's error is the one to raise
                     w.abort()
                 raise
-            w.close()
+            w.finish()
             log.debug("%s: %d bytes written %s", path, w.size, "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)")
         else:
             w = ChecksumWriter(f)
@@ -122,7 +122,16 @@ def write_torch(storage: Storage, path: str, obj: Any) -> WrittenFile:
     """``torch.save`` streamed into storage (no in-memory copy of the serialised bytes)."""
     import torch
 
-    return write_stream(storage, path, lambda w: torch.save(obj, w))
+    from ckptd.workers.state_dict import map_tensors
+
+    tensor_bytes = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal tensor_bytes
+        tensor_bytes += t.numel() * t.element_size()
+
+    map_tensors(obj, add)  # about the file's size: what decides whether it goes past the page cache
+    return write_stream(storage, path, lambda w: torch.save(obj, w), size=tensor_bytes)
 
 
 def read_verified(storage: Storage, path: str, entry: FileEntry | None) -> bytes:

@@ -17,7 +17,7 @@ from ckptd import direct_io, failpoints
 from ckptd.direct_io import ALIGN, DIRECT_MIN, DirectWriter, direct_io_for, filesystem_type
 from ckptd.errors import CheckpointConfigError
 from ckptd.storage import Storage
-from ckptd.workers.files import write_stream
+from ckptd.workers.files import load_torch, write_stream, write_torch
 from ckptd.workers.safetensors_io import write_safetensors
 
 BUF = direct_io._BUFFER
@@ -42,7 +42,7 @@ def _write_pieces(tmp_path, pieces: list[bytes], name: str = "f.bin") -> tuple[D
         w = DirectWriter(fd)
         for p in pieces:
             assert w.write(p) == len(p)
-        w.close()
+        w.finish()
     finally:
         os.close(fd)
     return w, path.read_bytes()
@@ -74,7 +74,7 @@ def test_a_refused_o_direct_write_falls_back_to_the_same_bytes_buffered(tmp_path
         assert direct_io.enable(fd)
         w = DirectWriter(fd)
         w.write(data)
-        w.close()
+        w.finish()
         assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT  # switched off for the rest
     finally:
         os.close(fd)
@@ -91,7 +91,7 @@ def test_a_write_error_is_raised_and_the_buffers_go_back(tmp_path):
         w = DirectWriter(fd)
         with pytest.raises(OSError):
             w.write(b"x" * (BUF + 1))
-            w.close()
+            w.finish()
         w.abort()  # idempotent
     finally:
         os.close(fd)
@@ -141,3 +141,18 @@ def test_a_failing_fill_leaves_no_file_and_no_temp(tmp_path):
     with pytest.raises(RuntimeError, match="changed shape"):
         write_stream(storage, f"{tmp_path}/x.bin", fill, size=DIRECT_MIN)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_large_torch_save_stream_goes_past_the_page_cache_and_loads_back(tmp_path, caplog):
+    """torch.save's many small pickle writes and large storages, through the bounce buffers."""
+    storage = Storage(str(tmp_path), direct_io="on")
+    optim = {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn((1 << 20) + i)} for i in range(9)},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": list(range(9))}]}
+    with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
+        written = write_torch(storage, f"{tmp_path}/optim.pt", optim)
+    data = (tmp_path / "optim.pt").read_bytes()
+    assert written.size == len(data) and written.crc32 == f"{zlib.crc32(data):08x}"
+    assert "with O_DIRECT" in caplog.text
+    back = load_torch(data, "optim.pt")
+    assert back["param_groups"] == optim["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], optim["state"][i]["exp_avg"]) for i in range(9))

@@ -158,8 +158,8 @@ class MonitorOptions(RetentionLimits):
             node picks one by its id), which send to the monitor, so that the monitor receives
             a few large batches instead of one call per node: for thousands of nodes (about the
             square root of the node count). 0 sends straight to the monitor.
-        direct_io: How workers write large local files (32 MiB and up, such as the safetensors
-            files of ``save_state_async`` and the HF and sharded writers): ``"auto"`` with
+        direct_io: How workers write large local files (32 MiB and up: the safetensors files
+            of ``save_state_async``, the HF and sharded writers, the optimizer's): ``"auto"`` with
             O_DIRECT, past the page cache, on ext4 and xfs; ``"on"`` on any local filesystem
             that accepts it; ``"off"`` always through the page cache. Files are fsynced either
             way; see :mod:`ckptd.direct_io`.

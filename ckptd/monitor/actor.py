@@ -85,6 +85,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._ledger = StepLedger(self._opts.step_timeout_s, self._opts.unregistered_warning_s)
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
         self._committing: dict[int, asyncio.Event] = {}  # steps with a commit in flight
+        self._registering: dict[int, int] = {}  # steps with registrations being written: no commit begins
         self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failure records being written
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
@@ -126,7 +127,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),
-                                          self._readers, self._metrics)
+                                          self._readers, self._metrics, self._fence_failed_leftovers)
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,
@@ -200,34 +201,50 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
             )
         except (CheckpointConfigError, ValueError) as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
-        await self.quiesce(reg.step)  # a commit in flight must not be told about new units
-        try:
-            self._ledger.check_registration(reg)
-        except RegistrationConflictError as e:
-            # Committed meanwhile: a call that Ray retried across a restart was counted already.
-            if await self._in_thread(self._committer.registered_before, reg.step, reg.reg_id):
-                return {"error": None}
-            return {"error": {"type": type(e).__name__, "message": str(e)}}
-        except CheckpointConfigError as e:
-            return {"error": {"type": type(e).__name__, "message": str(e)}}
-        failed = await self._failure_for(reg)
-        if failed is not None and self._ledger.registration_is_moot(reg):
-            return failed  # nothing is written when every kind it concerns already failed
+        while True:
+            await self.quiesce(reg.step)  # a commit in flight must not be told about new units
+            try:
+                self._ledger.check_registration(reg)
+            except RegistrationConflictError as e:
+                # Committed meanwhile: a call that Ray retried across a restart was counted already.
+                if await self._in_thread(self._committer.registered_before, reg.step, reg.reg_id):
+                    return {"error": None}
+                return {"error": {"type": type(e).__name__, "message": str(e)}}
+            except CheckpointConfigError as e:
+                return {"error": {"type": type(e).__name__, "message": str(e)}}
+            failed = await self._failure_for(reg)  # waits for failure records being written
+            if reg.step not in self._committing:
+                break  # else a commit began while that record was written: wait for it, look again
+        if self._ledger.registration_is_moot(reg):
+            # Every kind it could change has settled: nothing is written, and a failure among
+            # them is the answer (the units it announces would count toward nothing).
+            return failed or await self._failure_for(reg, self._ledger.kinds_affected(reg)) or {"error": None}
         # A kind it concerns may still commit (the state dict of a step whose checkpoint unit
         # failed first): apply it, then report the failure, so that the outcome does not depend
         # on whether the failure came before or after the registration.
         rec = self._ledger.get(reg.step)
         if rec is None or reg.reg_id not in rec.registrations:
             # Durable before acknowledged: a restarted monitor must still know what to expect.
-            await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
-            rec = self._ledger.register(reg)
-            await self._after_change(rec)
+            # No commit of the step may begin meanwhile: it could not count this registration.
+            self._registering[reg.step] = self._registering.get(reg.step, 0) + 1
+            try:
+                await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
+                rec = self._ledger.register(reg)
+            finally:
+                left = self._registering.pop(reg.step) - 1
+                if left:
+                    self._registering[reg.step] = left
+                held = self._ledger.get(reg.step)
+            if held is not None:
+                await self._after_change(held)  # the commits it held back, if any
         return await self._failure_for(reg) or {"error": None}
 
-    async def _failure_for(self, reg: Registration) -> dict | None:
-        """The error to answer a registration with if a kind it concerns failed (once recorded)."""
+    async def _failure_for(self, reg: Registration, kinds: set[Kind] | None = None) -> dict | None:
+        """The error to answer a registration with if one of ``kinds`` (by default those it
+        concerns) failed, once that failure is recorded."""
         await self.durable(reg.step)
-        for kind in sorted(self._ledger.kinds_concerned(reg), key=lambda k: k is not reg.monitored):
+        kinds = self._ledger.kinds_concerned(reg) if kinds is None else kinds
+        for kind in sorted(kinds, key=lambda k: k is not reg.monitored):
             failure = self._ledger.failure_of(reg.step, kind)
             if failure is not None:
                 unit, cause = failure

@@ -62,7 +62,7 @@ class CommitFlow:
         (then await :meth:`_record_new_failures`). No await on the common path: it runs for
         every finished unit."""
         kinds = self._ledger.ready(rec)
-        if kinds:
+        if kinds and rec.step not in self._registering:  # else the registration's end looks again
             self._ledger.begin_commit(rec, kinds, time.time())
             self._committing[rec.step] = asyncio.Event()
             self._spawn(self._commit(rec, kinds))
@@ -232,6 +232,19 @@ class CommitFlow:
                 await self._retrying("tracker", self._committer.advance_tracker, k, step)
                 self._trackers[k] = step
                 self._published(k, step)
+
+    def _fence_failed_leftovers(self, failed: set[int]) -> None:
+        """Retention may delete these steps (a kind failed, nothing of theirs in flight) as failed
+        leftovers, at once, when they are older than the newest commit. A state dict of such a
+        step that nobody has registered or saved yet could still come and commit into a
+        directory being deleted: it is failed first, so that none can be admitted any more."""
+        newest = self._trackers.get(SD)  # the newest committed step, of either kind
+        if newest is None:
+            return
+        for step in failed:
+            rec = self._ledger.fence_state_dict(step, newest, time.time()) if step < newest else None
+            if rec is not None:
+                self._spawn(self._record_new_failures(rec))
 
     def _cleanup(self, step: int) -> None:
         try:

@@ -125,13 +125,23 @@ class StepLedger:
         registration that added them.)"""
         return {reg.monitored, *(k for k, n in reg.counts.items() if n > 0)}
 
+    @classmethod
+    def kinds_affected(cls, reg: Registration) -> set[Kind]:
+        """The kinds whose outcome a registration can change: those it concerns, and the full
+        checkpoint too when it adds state-dict units (a full checkpoint needs every unit of its
+        step; after its state dict committed, state-dict units count toward it only)."""
+        kinds = cls.kinds_concerned(reg)
+        if reg.counts.get(SD, 0) > 0:
+            kinds.add(CKPT)
+        return kinds
+
     def registration_is_moot(self, reg: Registration) -> bool:
-        """True if every kind ``reg`` concerns has settled (failed or committed), so applying it
+        """True if every kind ``reg`` can affect has settled (failed or committed), so applying it
         could change no outcome. Otherwise it must be applied even if one of its kinds failed:
         the state dict of a step commits whether a checkpoint unit of the step failed before or
         after the registration."""
         return all(self.state_of(reg.step, k) in (StepState.COMMITTED, StepState.FAILED)
-                   for k in self.kinds_concerned(reg))
+                   for k in self.kinds_affected(reg))
 
     def register(self, reg: Registration, *, replay: bool = False) -> StepRecord:
         """Apply a registration (idempotent by ``reg_id``).
@@ -225,6 +235,22 @@ class StepLedger:
         if kind is SD:
             self.fail_kind(rec, CKPT, reason, unit)
         return True
+
+    def fence_state_dict(self, step: int, newest: int, now: float) -> StepRecord | None:
+        """Retention is deleting ``step`` (its full checkpoint failed; ``newest`` is the newest
+        committed step): fail its state dict too, unless that has settled or has registrations or
+        units (then the step is in flight and kept), so that no unit of it can be admitted and
+        commit into a directory being deleted. Returns the record if it changed."""
+        if self.state_of(step, CKPT) is not StepState.FAILED:
+            return None
+        if self.state_of(step, SD) not in (None, StepState.PENDING):
+            return None
+        rec = self._record(step, now)
+        if rec.active(SD):
+            return None
+        reason = (f"retention deleted step {step}: its full checkpoint failed ({rec[CKPT].reason}) and step "
+                  f"{newest} is newer; save the state dict into a new step")
+        return rec if self.fail_kind(rec, SD, reason, rec[CKPT].failed_unit) else None
 
     # -- the commit rule -----------------------------------------------------------------------
 

@@ -216,11 +216,15 @@ class RetentionRunner:
         protected: Returns the steps never to delete now.
         cleanup: Removes the ledger records of a deleted step.
         mark_deleted: Records that a step with a failed kind was deleted, with its committed kinds.
+        fence: Called on the event loop with the steps a pass may delete as failed leftovers,
+            before the pass: it must make sure no unit of theirs can be admitted any more.
         metrics: Where deletions are counted.
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
-                 protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None) -> None:
+                 protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None,
+                 fence: Callable[[set[int]], None] | None = None) -> None:
+        self._fence = fence
         self._metrics = metrics or RunMetrics(None)
         self._storage = storage
         self._template = template
@@ -256,6 +260,8 @@ class RetentionRunner:
                 in_flight = self._ledger.in_flight_steps()
                 protected = self._protected() | in_flight
                 failed = self._ledger.failed_steps() - in_flight
+                if self._fence is not None:
+                    self._fence(failed)  # no await since in_flight was read: nothing slipped in
                 try:
                     result = await self._in_thread(self._pass, protected, failed)
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]

@@ -16,6 +16,7 @@ import torch
 
 import ckptd
 from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
+from ckptd.manifest import Manifest
 
 
 @ray.remote(num_cpus=0)
@@ -282,6 +283,15 @@ def commit_fsdp_step(job, monitor, units_per_rank: int = 2, timeout_s: float = 6
 def differing(a: dict, b: dict) -> list[str]:
     """The names whose tensors differ between two full states (or that only one has)."""
     return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def read_manifest(root: str, step: int, kind: ckptd.Kind) -> Manifest | None:
+    """The manifest of ``kind`` in ``step`` under a local root, or None if it has none."""
+    path = os.path.join(ckptd.step_dir(root, step), MANIFESTS[kind])
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Manifest.model_validate_json(f.read())
 
 
 def assert_trackers_verified(root: str) -> dict[ckptd.Kind, int | None]:

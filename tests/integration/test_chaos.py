@@ -40,7 +40,8 @@ the end the trackers name the newest committed steps.
 Found by this test and fixed: retention used to delete the ledger records of a step whose state
 dict committed but whose full checkpoint failed, so a restarted monitor forgot the failure and
 accepted the step again; and a registration that came after a checkpoint unit of its step had
-failed was dropped whole, so the step's state dict, which it also asked for, never committed. A step retention deleted that the restarted monitor calls unknown
+failed was dropped whole, so the step's state dict, which it also asked for, never committed.
+A step retention deleted that the restarted monitor calls unknown
 (``wait_committed`` raises CheckpointError) is documented behaviour.
 """
 

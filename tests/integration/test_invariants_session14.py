@@ -21,21 +21,11 @@ import ray
 import torch
 
 import ckptd
-from ckptd.layout import MANIFESTS
-from ckptd.manifest import Manifest
 from ckptd.protocol import relay_name
 
-from .helpers import assert_trackers_verified, restart_monitor, status, wait_for
+from .helpers import assert_trackers_verified, read_manifest, restart_monitor, status, wait_for
 
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
-
-
-def _manifest(root: str, step: int, kind: ckptd.Kind) -> Manifest | None:
-    path = os.path.join(ckptd.step_dir(root, step), MANIFESTS[kind])
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return Manifest.model_validate_json(f.read())
 
 
 def _writer(path: str, value: float, gate: threading.Event | None = None, fail: bool = False):
@@ -94,7 +84,7 @@ def test_tallies_rebuilt_mid_step_count_finished_running_and_failed_units(make_m
     assert (len(s3.finished), s3.expected, s3.state) == (2, 1, "pending")
     coord.register(3, checkpoint_thread_count=1)
     coord.wait_committed(3, timeout_s=30)
-    manifest = _manifest(root, 3, CKPT)
+    manifest = read_manifest(root, 3, CKPT)
     assert sorted(u.split("#")[0] for u in manifest.units) == ["w0/a3", "w0/b3"]
     assert sorted(os.path.basename(f.path) for f in manifest.files) == ["a.pt", "b.pt"]
 
@@ -105,17 +95,17 @@ def test_tallies_rebuilt_mid_step_count_finished_running_and_failed_units(make_m
     assert len(_state(monitor, 1).finished) == 2
     with pytest.raises(TimeoutError):
         coord.wait_committed(1, timeout_s=0)
-    assert _manifest(root, 1, CKPT) is None
+    assert read_manifest(root, 1, CKPT) is None
     coord.save_sync(_writer(os.path.join(coord.step_dir(1), "c.pt"), 3.0), 1)
     coord.wait_committed(1, timeout_s=30)
-    manifest = _manifest(root, 1, CKPT)
+    manifest = read_manifest(root, 1, CKPT)
     assert len(set(manifest.units)) == len(manifest.units) == 3
     assert sorted(os.path.basename(f.path) for f in manifest.files) == ["a.pt", "b.pt", "c.pt"]
 
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_committed(2, timeout_s=30)
     coord.close()
-    assert _manifest(root, 2, CKPT) is None
+    assert read_manifest(root, 2, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 3, CKPT: 3}
 
 
@@ -154,13 +144,13 @@ def test_a_state_dict_unit_after_the_state_dict_commit_survives_a_restart(make_m
         coord.wait_committed(2, timeout_s=30)
     coord.close()
 
-    ckpt = _manifest(root, 1, CKPT)
+    ckpt = read_manifest(root, 1, CKPT)
     assert len(set(ckpt.units)) == len(ckpt.units) == 3 and "w0/engine1" in {u.split("#")[0] for u in ckpt.units}
     assert sorted(os.path.basename(f.path) for f in ckpt.files) == ["engine.pt", "model.pt", "optim.pt"]
     for step in (1, 2):
-        sd = _manifest(root, step, SD)
+        sd = read_manifest(root, step, SD)
         assert len(sd.units) == 1 and [os.path.basename(f.path) for f in sd.files] == ["model.pt"]
-    assert _manifest(root, 2, CKPT) is None
+    assert read_manifest(root, 2, CKPT) is None
     # Step 2's state dict committed after step 1's checkpoint: the state-dict tracker names it.
     assert assert_trackers_verified(root) == {SD: 2, CKPT: 1}
 
@@ -206,7 +196,7 @@ def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_r
     after.wait_committed(2, timeout_s=30)
     assert ray.get(monitor.ping.remote())["pid"] != monitor_pid
     assert ray.get(ray.get_actor(name).stats.remote())["pid"] != relay_pid  # a new relay carried them
-    units = _manifest(root, 2, CKPT).units
+    units = read_manifest(root, 2, CKPT).units
     assert sorted(u.split("#")[0] for u in units) == ["w1/u0", "w1/u1", "w2/u0", "w2/u1"]
 
     relay = ray.get_actor(name)
@@ -214,7 +204,7 @@ def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_r
     worker_name, call = key.split("#")
     worker, name = worker_name.split("/")
     unit = {"worker": worker, "name": name, "step": 2, "kind": "checkpoint", "call": call}
-    files = [f.model_dump() for f in _manifest(root, 2, CKPT).files if f.path == f"{worker}-{name}.pt"]
+    files = [f.model_dump() for f in read_manifest(root, 2, CKPT).files if f.path == f"{worker}-{name}.pt"]
     late = {**unit, "name": "late", "call": call + "x"}
     answers = ray.get(relay.relay.remote([("finished", unit, {"files": files, "found": False}),
                                           ("started", late, None)]), timeout=60)
@@ -222,7 +212,7 @@ def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_r
     assert "already committed" in answers[1]["refused"]
     for coord in (before, after):
         coord.close()
-    assert _manifest(root, 2, CKPT).units == units
+    assert read_manifest(root, 2, CKPT).units == units
     assert assert_trackers_verified(root) == {SD: 2, CKPT: 2}
 
 
@@ -268,8 +258,8 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
         with pytest.raises(ckptd.CheckpointSaveError, match="UnreadableReport"):
             coord.wait_committed(step, timeout_s=30)
     coord.close()
-    assert [u.split("#")[0] for u in _manifest(root, 1, CKPT).units] == ["w9/u"]
-    assert _manifest(root, 2, CKPT) is None and _manifest(root, 3, CKPT) is None
+    assert [u.split("#")[0] for u in read_manifest(root, 1, CKPT).units] == ["w9/u"]
+    assert read_manifest(root, 2, CKPT) is None and read_manifest(root, 3, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}
 
 def test_a_monitor_killed_while_a_relay_holds_a_batch_counts_it_once(make_monitor, tmp_path, run_name, monkeypatch):
@@ -294,5 +284,5 @@ def test_a_monitor_killed_while_a_relay_holds_a_batch_counts_it_once(make_monito
     coord.wait_committed(1, timeout_s=60)
     coord.close()
     assert ray.get(monitor.ping.remote())["pid"] != monitor_pid
-    assert sorted(u.split("#")[0] for u in _manifest(root, 1, CKPT).units) == ["w0/u0", "w0/u1"]
+    assert sorted(u.split("#")[0] for u in read_manifest(root, 1, CKPT).units) == ["w0/u0", "w0/u1"]
     assert assert_trackers_verified(root) == {SD: 1, CKPT: 1}

@@ -336,3 +336,28 @@ def test_the_commit_rule_reads_tallies_that_always_agree_with_the_units(seed):
             for kind in expected:
                 keys = [u.unit.key for u in rec.counted(kind) if u.files is not None]
                 ledger.commit_done(rec, kind, 0.0, keys, [])
+
+
+def test_retention_fences_only_a_state_dict_nobody_has_asked_for_of_a_failed_checkpoint(ledger):
+    def failed_checkpoint(step: int) -> None:
+        u = unit(step, CKPT, "optim")
+        ledger.admit(u, 0.0)
+        ledger.fail(u, UnitFailure(unit=u.label, error_type="OSError", message="disk full"), 0.0)
+
+    failed_checkpoint(1)
+    rec = ledger.fence_state_dict(1, newest=5, now=0.0)
+    assert rec is not None and rec[SD].state is StepState.FAILED
+    assert "retention deleted step 1" in rec[SD].reason and "disk full" in rec[SD].reason
+    assert "retention deleted step 1" in ledger.admit(unit(1, SD), 0.0)  # nothing more is admitted
+    assert ledger.fence_state_dict(1, newest=5, now=0.0) is None  # once
+    failed_checkpoint(2)
+    ledger.register(reg(2, sd=1, monitored=SD))  # asked for: the step is in flight, never fenced
+    assert ledger.fence_state_dict(2, newest=5, now=0.0) is None and ledger.get(2)[SD].state is StepState.PENDING
+    ledger.register(reg(3, ckpt=1))  # the full checkpoint did not fail
+    assert ledger.fence_state_dict(3, newest=5, now=0.0) is None
+
+
+def test_a_state_dict_count_can_affect_the_full_checkpoint(ledger):
+    assert StepLedger.kinds_affected(reg(1, sd=1, monitored=SD)) == {SD, CKPT}
+    assert StepLedger.kinds_affected(reg(1, ckpt=1)) == {CKPT}
+    assert StepLedger.kinds_concerned(reg(1, sd=1, monitored=SD)) == {SD}

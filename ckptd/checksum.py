@@ -7,8 +7,11 @@ combined. Without ``isal`` (a platform with no wheel) zlib is used, with the sam
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from concurrent.futures import Executor
+
+from ckptd import phases
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -46,3 +49,27 @@ def crc32_parallel(data, pool: Executor, parts: int) -> int:
     for (a, b), f in zip(bounds[1:], futures[1:], strict=True):
         crc = _combine(crc, f.result(), b - a)
     return crc
+
+
+TIMED_MIN = 64 << 10  # the CRC-32 of smaller pieces counts as part of the write phase
+
+
+class ChecksummedStream(io.RawIOBase):
+    """The base of ckptd's write-only streams: the CRC-32 and the count of the bytes given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def _checksum(self, part) -> None:
+        """Add ``part`` to the CRC-32, timed as the ``checksum`` phase unless it is small (pickle's
+        many small pieces are not worth a clock read)."""
+        if len(part) < TIMED_MIN:
+            self.crc = crc32(part, self.crc)
+        else:
+            with phases.phase(phases.CHECKSUM):
+                self.crc = crc32(part, self.crc)

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import io
 import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
-from ckptd import failpoints, phases
-from ckptd.checksum import crc32
+from ckptd import failpoints
+from ckptd.checksum import ChecksummedStream
 from ckptd.errors import FailpointError
 from ckptd.threads import lower_priority
 
@@ -119,16 +118,18 @@ def _give_buffer(buf: mmap.mmap) -> None:
     # Otherwise dropped: it is unmapped once no view of it is left.
 
 
-class DirectWriter(io.RawIOBase):
+class DirectWriter(ChecksummedStream):
     """A write-only stream into ``fd`` (a new, empty file with O_DIRECT set) that keeps the
     CRC-32 and count of what it was given, like :class:`~ckptd.workers.files.ChecksumWriter`.
 
     :meth:`finish` must run before the file is used: it writes the last buffer and truncates the
-    padding (:meth:`abort` instead, when the stream is abandoned). If the kernel refuses an O_DIRECT write (EINVAL), O_DIRECT is cleared and the same
-    bytes are written buffered; :attr:`direct` then says False.
+    padding (:meth:`abort` instead, when the stream is abandoned). If the kernel refuses an
+    O_DIRECT write (EINVAL), O_DIRECT is cleared and the same bytes are written buffered;
+    :attr:`direct` then says False.
     """
 
     def __init__(self, fd: int) -> None:
+        super().__init__()
         self._fd = fd
         import numpy as np  # here: the monitor imports this module and never writes large files
 
@@ -140,11 +141,6 @@ class DirectWriter(io.RawIOBase):
         self._offset = 0  # file offset of the current buffer
         self._lock = threading.Lock()  # the O_DIRECT switch, shared by the two buffers' writes
         self.direct = True
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
 
     def write(self, b) -> int:
         import numpy as np
@@ -168,11 +164,7 @@ class DirectWriter(io.RawIOBase):
         its offset on the helper thread, and move on to the other buffer."""
         i = self._cur
         data = memoryview(self._bufs[i])
-        if self._fill >= 64 << 10:
-            with phases.phase(phases.CHECKSUM):
-                self.crc = crc32(data[: self._fill], self.crc)
-        else:
-            self.crc = crc32(data[: self._fill], self.crc)
+        self._checksum(data[: self._fill])
         self._pending[i] = _pool.submit(self._pwrite, data[:length], self._offset)
         self._offset += self._fill
         self._cur, self._fill = 1 - i, 0

@@ -20,7 +20,7 @@ from enum import Enum
 from typing import IO, Any
 
 from ckptd import phases
-from ckptd.checksum import crc32, hex_of
+from ckptd.checksum import ChecksummedStream, crc32, hex_of
 from ckptd.direct_io import DirectWriter, direct_io_for, enable
 from ckptd.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptd.manifest import FileEntry, WrittenFile
@@ -33,13 +33,12 @@ _CHUNK = 64 << 20
 
 
 _OVERLAP_MIN = 1 << 20
-_TIMED_MIN = 64 << 10  # smaller writes' CRC-32 counts as part of the write phase
 # CRC-32 and file writes both release the GIL on large buffers, so a helper thread can
 # checksum a slice while the writing thread hands the same slice to the OS.
 _crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-crc", initializer=lower_priority)
 
 
-class ChecksumWriter(io.RawIOBase):
+class ChecksumWriter(ChecksummedStream):
     """A write-only stream that passes bytes through to ``f`` and keeps their CRC-32 and count.
 
     Large writes go out in slices of 64 MiB; each slice is checksummed on a helper thread while
@@ -48,23 +47,15 @@ class ChecksumWriter(io.RawIOBase):
     """
 
     def __init__(self, f: IO[bytes]) -> None:
+        super().__init__()
         self._f = f
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
         for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
             if len(part) < _OVERLAP_MIN:
-                if len(part) < _TIMED_MIN:  # pickle's many small pieces: not worth a clock read
-                    self.crc = crc32(part, self.crc)
-                else:
-                    with phases.phase(phases.CHECKSUM):
-                        self.crc = crc32(part, self.crc)
+                self._checksum(part)
                 self._f.write(part)
                 continue
             crc = _crc_pool.submit(crc32, part, self.crc)
@@ -92,7 +83,8 @@ def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | D
                     w.abort()
                 raise
             w.finish()
-            log.debug("%s: %d bytes written %s", path, w.size, "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)")
+            log.debug("%s: %d bytes written %s", path, w.size,
+                      "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)")
         else:
             w = ChecksumWriter(f)
             fill(w)

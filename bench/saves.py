@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import ckptd
+from ckptd.direct_io import direct_io_for
 
 from . import breakdown
 from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
@@ -36,13 +37,14 @@ def _free_port() -> int:
 class SaveHarness:
     """Ray, a monitor, a coordinator and a one-rank gloo group (for DCP) around a scratch root."""
 
-    def __init__(self, base_dir: str | None, label: str = "disk") -> None:
+    def __init__(self, base_dir: str | None, label: str = "disk", **options) -> None:
         self.label = label
+        self.base_dir = base_dir
         self.dir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=base_dir)
         self.root = os.path.join(self.dir, "ckptd")
         connect_ray()
         self.monitor = ckptd.start_monitor(self.root, run=f"bench-{label}-{os.getpid()}", max_ckpt_to_keep=2,
-                                           max_state_dict_to_keep=2)
+                                           max_state_dict_to_keep=2, **options)
         self.coord = ckptd.CheckpointCoordinator(self.monitor, worker_id="bench")
         self.step = 0
         if not dist.is_initialized():
@@ -76,10 +78,10 @@ class SaveHarness:
             saved.append(step)
         return step
 
-    def close(self) -> None:
+    def close(self, *, keep_group: bool = False) -> None:
         self.coord.close()
         ray.kill(self.monitor, no_restart=True)
-        if dist.is_initialized():
+        if dist.is_initialized() and not keep_group:
             dist.destroy_process_group()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -194,19 +196,33 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     def dcp_async() -> None:
         dcp.async_save(sd, checkpoint_id=h.fresh("dcp-async")).result()
 
+    # ckptd's default (direct_io="auto") writes a file this large with O_DIRECT on ext4 and xfs:
+    # then a context row shows the same save through the page cache, from a second monitor.
+    direct = direct_io_for("auto", os.path.join(h.root, "model.safetensors"), mib * MiB)
+    buffered = SaveHarness(h.base_dir, f"{h.label}-buffered", direct_io="off") if direct and context_reps else None
+
+    def ckptd_buffered() -> None:
+        buffered.ckptd_save(sd, "p2-buffered", fenced=True)
+
     ckptd_save(), safetensors_save()  # warm-up
     saved.clear()
     a, b = interleave(ckptd_save, safetensors_save, pairs)
-    ck = Row(scenario, "ckptd fenced (copy streamed into the write, fsynced, committed)", "s", a)
+    how = "O_DIRECT" if direct else "through the page cache"
+    ck = Row(scenario, f"ckptd fenced (copy streamed into the write, {how}, fsynced, committed)", "s", a)
     st = Row(scenario, "safetensors.save_file + fsync", "s", b)
     rows = [ck, st]
     context = {"ckptd eager (the copy, then the write)": ckptd_eager,
                "torch.save + fsync": torch_save, "dcp.save": dcp_save, "dcp.async_save (until done)": dcp_async}
+    if buffered is not None:
+        ckptd_buffered()  # warm-up: its staging buffers
+        context = {"ckptd fenced, through the page cache (direct_io='off')": ckptd_buffered, **context}
     for method, fn in context.items():
         row = Row(scenario, method, "s", note=f"context: {context_reps} reps")
         row.samples = [timed(fn) for _ in range(context_reps)]
         if row.samples:
             rows.append(row)
+    if buffered is not None:
+        buffered.close(keep_group=True)
     noise = ("disk writeback noise; the RAM run isolates ckptd's overhead" if h.label == "disk"
              else "CPU and memory-bandwidth noise of a shared machine")
     comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise)

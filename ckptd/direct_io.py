@@ -8,11 +8,15 @@ writes plus fsync, and a third of the machine's CPU time (docs/benchmarks.md).
 
 :class:`DirectWriter` gathers the stream into two page-aligned bounce buffers: while one is
 written by a helper thread, the caller fills the other, and each buffer's CRC-32 is taken
-before it leaves. The last buffer is padded to the block size and the file truncated back to its
-true length. Which filesystems get it is decided by :func:`direct_io_for`: by default the local
-block-device filesystems whose O_DIRECT is well trodden (ext4, xfs); not tmpfs, where it is
-slower, nor network or FUSE filesystems, whose O_DIRECT semantics vary. A kernel that refuses
-O_DIRECT for a file (EINVAL) gets the same bytes written buffered.
+before it leaves. Of the last buffer, the whole 4 KiB blocks go the same way and the rest
+through the page cache, so nothing is written past the file's length.
+
+Which files get it is decided by :func:`direct_io_for`, from the storage's mode: the monitor's
+``direct_io`` option, which a coordinator also makes the default (:func:`mode`) for every
+``Storage`` that the writers of ``ckptd.workers`` open inside its save units. ``auto`` picks
+the local block-device filesystems whose O_DIRECT is well trodden (ext4, xfs); not tmpfs, where
+it is slower, nor network or FUSE filesystems, whose O_DIRECT semantics vary. A kernel that
+refuses O_DIRECT for a file (EINVAL) gets the same bytes written buffered.
 
 NOTE: O_DIRECT does not make a file durable: the caller still fsyncs it (the metadata, and the
 device's volatile cache), as for any other file.
@@ -25,7 +29,10 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Literal
 
 from ckptd import failpoints
@@ -50,6 +57,25 @@ _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-direct", ini
 _free_buffers: list[mmap.mmap] = []  # reused: a fresh mapping costs a page fault per 4 KiB
 _free_lock = threading.Lock()
 _MAX_FREE = 8
+
+
+_mode: ContextVar[DirectIO] = ContextVar("ckptd_direct_io", default="auto")
+
+
+@contextmanager
+def mode(value: DirectIO) -> Iterator[None]:
+    """Make ``value`` the mode of every :class:`~ckptd.storage.Storage` opened without one in
+    this thread (or task) meanwhile: a save unit runs its ``save_fn`` in it."""
+    token = _mode.set(value)
+    try:
+        yield
+    finally:
+        _mode.reset(token)
+
+
+def current_mode() -> DirectIO:
+    """The mode a :class:`~ckptd.storage.Storage` opened now without one gets."""
+    return _mode.get()
 
 
 def filesystem_type(path: str) -> str | None:
@@ -104,6 +130,15 @@ def _disable(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+        done += n
+
+
 def _take_buffer() -> mmap.mmap:
     with _free_lock:
         if _free_buffers:
@@ -122,8 +157,8 @@ class DirectWriter(ChecksummedStream):
     """A write-only stream into ``fd`` (a new, empty file with O_DIRECT set) that keeps the
     CRC-32 and count of what it was given, like :class:`~ckptd.workers.files.ChecksumWriter`.
 
-    :meth:`finish` must run before the file is used: it writes the last buffer and truncates the
-    padding (:meth:`abort` instead, when the stream is abandoned). If the kernel refuses an
+    :meth:`finish` must run before the file is used: it writes the last buffer (:meth:`abort`
+    instead, when the stream is abandoned). If the kernel refuses an
     O_DIRECT write (EINVAL), O_DIRECT is cleared and the same bytes are written buffered;
     :attr:`direct` then says False.
     """
@@ -186,7 +221,7 @@ class DirectWriter(ChecksummedStream):
             if n == 0:
                 raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
             done += n
-            if self.direct and n % ALIGN:
+            if self.direct and done < len(data) and n % ALIGN:
                 self._fall_back()  # a short write left the rest unaligned
 
     def _fall_back(self) -> None:
@@ -201,17 +236,30 @@ class DirectWriter(ChecksummedStream):
             pending.result()
 
     def finish(self) -> None:
-        """Write what is left, wait for every write, and cut the padding off. Raises the first
-        write error (the file is then incomplete: the caller discards it)."""
+        """Write what is left and wait for every write. Raises the first write error (the file is
+        then incomplete: the caller discards it).
+
+        The last buffer's whole blocks go with O_DIRECT; the part of a block after them goes
+        through the page cache (O_DIRECT is cleared for it), so nothing past the file's length
+        is ever written: a file that exactly fits a quota or RLIMIT_FSIZE fits."""
         try:
             if self._fill:
-                length = -(-self._fill // ALIGN) * ALIGN if self.direct else self._fill
-                self._arrays[self._cur][self._fill : length] = 0
-                self._send(length)
+                i, n = self._cur, self._fill
+                data = memoryview(self._bufs[i])
+                self._checksum(data[:n])
+                self._wait(1 - i)  # nothing in flight now: O_DIRECT may be cleared for the tail
+                head = n // ALIGN * ALIGN if self.direct else n
+                if head:
+                    self._pwrite(data[:head], self._offset)
+                if head < n:
+                    with self._lock:
+                        if self.direct:
+                            _disable(self._fd)
+                    _write_all(self._fd, data[head:n], self._offset + head)
+                self._offset += n
+                self._fill = 0
         finally:
             self.abort()
-        if os.fstat(self._fd).st_size != self.size:
-            os.ftruncate(self._fd, self.size)
 
     def abort(self) -> None:
         """Wait for the writes in flight and hand the buffers back; raise the first write error.

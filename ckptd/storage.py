@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckptd import phases
 from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_path, strategy_for
-from ckptd.direct_io import MODES, DirectIO
+from ckptd.direct_io import MODES, DirectIO, current_mode
 from ckptd.errors import CheckpointConfigError
 from ckptd.walk import FileStat, scan, scan_large
 
@@ -35,14 +35,17 @@ class Storage:
         storage_options: Passed to the fsspec filesystem (credentials, endpoint). Never logged.
         direct_io: How large local files are written: ``auto`` with O_DIRECT on ext4 and xfs,
             ``on`` wherever the kernel accepts it, ``off`` never (see :mod:`ckptd.direct_io`).
+            None: the mode of the save unit this runs in (the monitor's option), else ``auto``.
 
     Paths taken and returned by the methods are the filesystem's own (protocol stripped), as
     produced by :meth:`join`.
     """
 
-    def __init__(self, root: str, storage_options: dict | None = None, direct_io: DirectIO = "auto") -> None:
+    def __init__(self, root: str, storage_options: dict | None = None, direct_io: DirectIO | None = None) -> None:
         if not isinstance(root, str) or not root:
             raise CheckpointConfigError(f"root must be a non-empty path or URL string, got {root!r}")
+        if direct_io is None:
+            direct_io = current_mode()
         if direct_io not in MODES:
             raise CheckpointConfigError(f"direct_io must be one of {', '.join(map(repr, MODES))}, got {direct_io!r}")
         self.direct_io: DirectIO = direct_io

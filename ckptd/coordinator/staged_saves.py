@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptd import phases
 from ckptd.coordinator.staging import tensors_of
-from ckptd.coordinator.writer_process import check_picklable, write_flat, write_flat_into
+from ckptd.coordinator.writer_process import check_picklable, in_mode, write_flat, write_flat_into
 from ckptd.errors import CheckpointConfigError
 from ckptd.metrics import FENCE_WAIT
 from ckptd.workers.safetensors_io import check_tensors
@@ -86,7 +86,7 @@ class StagedSaves:
             streamed = self._writer is None and fenced
             write_fn = (partial(write_flat_into, self._storage, path, metadata={"format": "pt"}) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
-                                     metadata={"format": "pt"}, direct_io=self._storage.direct_io))
+                                     metadata={"format": "pt"}))
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
         elif self._writer is not None:
@@ -106,7 +106,9 @@ class StagedSaves:
                     return written
                 snap.wait()
                 phases.add(phases.STAGING, snap.copy_seconds)
-                return write_fn(snap.state) if writer is None else writer.run(write_fn, snap.state)
+                if writer is None:
+                    return write_fn(snap.state)
+                return writer.run(in_mode, self._storage.direct_io, write_fn, snap.state)
             finally:
                 snap.release()
 

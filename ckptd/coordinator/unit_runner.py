@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd import failpoints, phases, protocol
+from ckptd import direct_io, failpoints, phases, protocol
 from ckptd.config import SaveStrategy
 from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
@@ -146,7 +146,8 @@ class UnitRunner:
             # Object stores: which files are new is found by comparing listings (see discover_files).
             name = find_step_dir(self._storage, unit.step, self._template)
             listed_before = {} if name is None else self._storage.walk_files(self._storage.join(name))
-        returned = save_fn()
+        with direct_io.mode(self._storage.direct_io):  # the writers' own Storage follows the monitor
+            returned = save_fn()
         if returned is not None:
             if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
                 raise CheckpointConfigError(

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.multiprocessing as tmp
 
-from ckptd import phases
+from ckptd import direct_io, phases
 from ckptd.direct_io import DirectIO
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.manifest import WrittenFile
@@ -50,9 +50,16 @@ def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[
 
 
 def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
-               metadata: dict[str, str], direct_io: DirectIO = "auto") -> list[WrittenFile]:
+               metadata: dict[str, str]) -> list[WrittenFile]:
     """:func:`write_flat_into` for a writer process, which opens the root itself."""
-    return write_flat_into(Storage(root, storage_options, direct_io), path, snapshot, metadata)
+    return write_flat_into(Storage(root, storage_options), path, snapshot, metadata)
+
+
+def in_mode(mode: DirectIO, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``mode`` as the direct_io mode of the Storage it opens (what a save
+    unit does in its own process; a writer process has its own context)."""
+    with direct_io.mode(mode):
+        return fn(*args)
 
 
 def check_picklable(write_fn: Callable) -> None:

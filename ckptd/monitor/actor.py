@@ -229,14 +229,14 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
             self._registering[reg.step] = self._registering.get(reg.step, 0) + 1
             try:
                 await self._in_thread(protocol.write_registration, self._storage, self._attempt, reg)
-                rec = self._ledger.register(reg)
+                self._ledger.register(reg)
             finally:
                 left = self._registering.pop(reg.step) - 1
                 if left:
                     self._registering[reg.step] = left
                 held = self._ledger.get(reg.step)
-            if held is not None:
-                await self._after_change(held)  # the commits it held back, if any
+                if held is not None:  # the commits it held back, if any: also when the write failed
+                    await self._after_change(held)
         return await self._failure_for(reg) or {"error": None}
 
     async def _failure_for(self, reg: Registration, kinds: set[Kind] | None = None) -> dict | None:

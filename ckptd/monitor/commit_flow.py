@@ -238,7 +238,10 @@ class CommitFlow:
         leftovers, at once, when they are older than the newest commit. A state dict of such a
         step that nobody has registered or saved yet could still come and commit into a
         directory being deleted: it is failed first, so that none can be admitted any more."""
-        newest = self._trackers.get(SD)  # the newest committed step, of either kind
+        # The newest committed step of either kind: the tracker, or a commit whose tracker could
+        # not move (or has not yet), whose manifest the pass may find all the same.
+        newest = max([s for s in (self._trackers.get(SD), self._ledger.newest_committed()) if s is not None],
+                     default=None)
         if newest is None:
             return
         for step in failed:

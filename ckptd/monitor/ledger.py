@@ -74,6 +74,11 @@ class StepLedger:
             return retired[1], retired[2] or "unknown reason"
         return None
 
+    def newest_committed(self) -> int | None:
+        """The newest step with a kind committed or being committed, among the detailed records."""
+        return max((r.step for r in self._records.values()
+                    if any(r[k].state in (StepState.COMMITTED, StepState.COMMITTING) for k in Kind)), default=None)
+
     def in_flight_steps(self) -> set[int]:
         """Steps with an active kind that is not settled yet."""
         return {r.step for r in self._records.values()

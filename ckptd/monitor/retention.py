@@ -32,6 +32,7 @@ from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
 from ckptd.layout import MANIFESTS, StepEntry, scan_steps
 from ckptd.metrics import RETENTION_DELETIONS, RunMetrics
+from ckptd.monitor.records import StepState
 from ckptd.storage import Storage
 
 log = logging.getLogger("ckptd.retention")
@@ -68,7 +69,8 @@ def plan_retention(
         entries: The step directories under the root (:func:`ckptd.layout.scan_steps`).
         policy: The limits.
         protected: Steps never to delete: tracker targets and steps in flight.
-        failed: Steps the monitor knows failed (and are not in flight for another kind).
+        failed: Steps whose leftovers go at once: the monitor knows that no kind of theirs can
+            commit any more (and none is in flight).
     """
     plan = RetentionPlan()
     committed = sorted(s for s, e in entries.items() if e.committed)
@@ -262,8 +264,12 @@ class RetentionRunner:
                 failed = self._ledger.failed_steps() - in_flight
                 if self._fence is not None:
                     self._fence(failed)  # no await since in_flight was read: nothing slipped in
+                # Deleted at once: steps no kind of which can commit any more. A step whose state
+                # dict the fence left alone (not older than the newest commit it knew) waits as an
+                # idle leftover, like the directory of a save the monitor has not heard of.
+                at_once = {s for s in failed if self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED}
                 try:
-                    result = await self._in_thread(self._pass, protected, failed)
+                    result = await self._in_thread(self._pass, protected, failed, at_once)
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="root")
                     self.errors = result.errors
@@ -277,7 +283,7 @@ class RetentionRunner:
             self._running = False
             self.idle.set()
 
-    def _pass(self, protected: set[int], failed: set[int]) -> PassResult:
+    def _pass(self, protected: set[int], failed: set[int], at_once: set[int]) -> PassResult:
         trash_error = None
         try:
             empty_trash(self._storage)
@@ -287,7 +293,7 @@ class RetentionRunner:
             trash_error = f"could not empty {TRASH}: {e}"
             log.warning("%s; retrying at the next pass", trash_error)
         entries = scan_steps(self._storage, self._template)
-        plan = plan_retention(entries, self._policy, protected=protected, failed=failed)
+        plan = plan_retention(entries, self._policy, protected=protected, failed=at_once)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
         # step with a failed kind keeps its records: they are what tells a restarted monitor it

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptd
-from ckptd.coordinator.writer_process import write_flat
+from ckptd.coordinator.writer_process import in_mode, write_flat
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
@@ -119,11 +119,13 @@ def test_a_large_fenced_save_with_direct_io_is_the_snapshot_and_commits(make_mon
     coord.close()
 
 
-def test_write_flat_opens_the_root_with_the_direct_io_mode(tmp_path, caplog):
+def test_a_writer_process_job_opens_storage_in_the_units_direct_io_mode(tmp_path, caplog):
+    """What the writer process runs (``in_mode``): the Storage that write_flat opens there takes
+    the mode the coordinator passed along."""
     state = {"w": torch.randn(9 << 20)}
     for mode in ("on", "off"):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
-            [written] = write_flat(str(tmp_path), None, f"{tmp_path}/{mode}.safetensors", state, {}, direct_io=mode)
+            [written] = in_mode(mode, write_flat, str(tmp_path), None, f"{tmp_path}/{mode}.safetensors", state, {})
         assert written.size > 36 << 20
         assert ("with O_DIRECT" in caplog.text) == (mode == "on")

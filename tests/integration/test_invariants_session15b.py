@@ -24,7 +24,7 @@ Held: 1 when the record write is slow (the commit waits for it and counts it, al
 SIGKILL with both writes retried by Ray); 3 for every writer and mode (byte-identical, verified;
 the failing unit fails the step and leaves nothing).
 
-Broke (strict xfails):
+Broke, and fixed in the same session (each test failed before its fix; the causes as found):
 
 * ``test_a_refused_registration_record_does_not_hold_a_finished_step_for_ever``: the step's
   state dict is complete but never commits (until its timeout fails it). ``register``
@@ -44,6 +44,12 @@ Broke (strict xfails):
   (workers/sharded.py:139), ``save_training_state``, LoRA and DCP build ``Storage(out_dir,
   storage_options)`` with the default ``"auto"``, so on ext4/xfs they write with O_DIRECT whatever
   the monitor says (docs/storage.md and MonitorOptions.direct_io name the HF and sharded writers).
+
+The fixes: ``register`` re-evaluates the step in its ``finally``; the fence takes the newest
+commit from the ledger too (``StepLedger.newest_committed``: committed or being committed), and
+retention deletes at once only steps whose state dict has failed, leaving any other as an idle
+leftover; a save unit runs its ``save_fn`` with the monitor's mode as the default of every
+``Storage`` opened in it (``ckptd.direct_io.mode``), and a writer-process job likewise.
 
 Runtime: about 40 s on the 2-core VM (11 s of it starting Ray), the unit file about 9 s.
 """

@@ -15,7 +15,7 @@ Attacked:
 Held: byte-exactness in every mode and under the failpoint; no partial or temp file after a
 failure part-way.
 
-Broke (kept as a strict xfail):
+Broke, and fixed in the same session (the test failed before the fix):
 
 * ``test_a_file_exactly_at_the_file_size_limit_is_written_in_every_mode``: ``off`` writes it,
   ``on``/``auto`` fail with EFBIG. ``DirectWriter.finish`` (ckptd/direct_io.py:208-214) pads the
@@ -24,7 +24,9 @@ Broke (kept as a strict xfail):
   for the short unaligned remainder, so ``_pwrite`` falls back), and the fallback (direct_io.py:
   173-185) still writes the *padded* view buffered, which the limit refuses with EFBIG. The same
   applies to a disk or quota with less than 4 KiB to spare. The mode changes whether a save
-  succeeds, although docs/storage.md says the modes differ only in speed.
+  succeeds, although docs/storage.md says the modes differ only in speed. Fixed: of the last
+  buffer only the whole blocks go with O_DIRECT, the rest through the page cache, and nothing is
+  written past the file's end.
 """
 
 from __future__ import annotations

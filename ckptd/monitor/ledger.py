@@ -253,7 +253,7 @@ class StepLedger:
         rec = self._record(step, now)
         if rec.active(SD):
             return None
-        reason = (f"retention deleted step {step}: its full checkpoint failed ({rec[CKPT].reason}) and step "
+        reason = (f"retention deletes step {step}: its full checkpoint failed ({rec[CKPT].reason}) and step "
                   f"{newest} is newer; save the state dict into a new step")
         return rec if self.fail_kind(rec, SD, reason, rec[CKPT].failed_unit) else None
 

@@ -370,9 +370,9 @@ def test_a_state_dict_of_a_failed_step_is_refused_once_retention_deletes_the_ste
         coord.register(5, is_state_dict=True, state_dict_thread_count=1)
         coord.wait_committed(5, is_state_dict=True, timeout_s=30)
         assert not ray.get(monitor.wait_retention.remote(0))  # the pass that deletes step 3 runs
-        with pytest.raises(ckptd.CheckpointSaveError, match="retention deleted step 3"):
+        with pytest.raises(ckptd.CheckpointSaveError, match="retention deletes step 3"):
             coord.save_sync(lambda: _write(root, 3, "sd.bin"), 3, is_state_dict=True)
-        with pytest.raises(ckptd.CheckpointSaveError, match="disk full|retention deleted step 3"):
+        with pytest.raises(ckptd.CheckpointSaveError, match="disk full|retention deletes step 3"):
             if registration == "full_checkpoint":
                 coord.register(3, state_dict_thread_count=1, checkpoint_thread_count=1)
             else:
@@ -384,7 +384,7 @@ def test_a_state_dict_of_a_failed_step_is_refused_once_retention_deletes_the_ste
         assert not os.path.exists(ckptd.step_dir(root, 3))  # deleted as a failed leftover
         assert_trackers_verified(root)
         for _ in range(2):
-            with pytest.raises(ckptd.CheckpointSaveError, match="retention deleted step 3"):
+            with pytest.raises(ckptd.CheckpointSaveError, match="retention deletes step 3"):
                 coord.wait_committed(3, is_state_dict=True, timeout_s=30)
             restart_monitor(monitor)  # the failure is recorded: a restarted monitor knows it
         ckptd.verify(root, 5)

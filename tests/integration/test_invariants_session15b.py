@@ -230,7 +230,7 @@ def test_the_retention_fence_covers_every_step_the_pass_deletes(make_monitor, tm
             coord.wait_committed(6, is_state_dict=True, timeout_s=30)
             committed = True
         except ckptd.CheckpointSaveError as e:
-            assert "retention deleted step 6" in str(e) or "disk full" in str(e)
+            assert "retention deletes step 6" in str(e) or "disk full" in str(e)
         assert ray.get(monitor.wait_retention.remote(60))
     finally:
         _arm(monitor, "before_tracker_rename", None)

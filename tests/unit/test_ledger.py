@@ -347,8 +347,8 @@ def test_retention_fences_only_a_state_dict_nobody_has_asked_for_of_a_failed_che
     failed_checkpoint(1)
     rec = ledger.fence_state_dict(1, newest=5, now=0.0)
     assert rec is not None and rec[SD].state is StepState.FAILED
-    assert "retention deleted step 1" in rec[SD].reason and "disk full" in rec[SD].reason
-    assert "retention deleted step 1" in ledger.admit(unit(1, SD), 0.0)  # nothing more is admitted
+    assert "retention deletes step 1" in rec[SD].reason and "disk full" in rec[SD].reason
+    assert "retention deletes step 1" in ledger.admit(unit(1, SD), 0.0)  # nothing more is admitted
     assert ledger.fence_state_dict(1, newest=5, now=0.0) is None  # once
     failed_checkpoint(2)
     ledger.register(reg(2, sd=1, monitored=SD))  # asked for: the step is in flight, never fenced

@@ -99,6 +99,18 @@ def restart_monitor(monitor, how: str = "ray.kill") -> None:
              what="the monitor to restart")
 
 
+def actor_gone(handle) -> bool:
+    """Whether the actor no longer answers: ray.kill returns before the actor is gone, and a call
+    made meanwhile may still be served."""
+    try:
+        ray.get(handle.ping.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        pass  # still restarting, or going
+    return False
+
+
 def status(monitor):
     return ray.get(monitor.status.remote())
 

@@ -21,7 +21,7 @@ from ckptd.layout import scan_steps
 from ckptd.storage import Storage
 from ckptd.verify import verify
 
-from .helpers import wait_for
+from .helpers import actor_gone, wait_for
 
 
 def cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -141,7 +141,7 @@ def test_gc_removes_leftovers_of_a_dead_job_and_never_what_is_committed(make_mon
 
     coord.close()
     ray.kill(monitor, no_restart=True)
-    wait_for(lambda: _gone(monitor), what="the killed monitor to be gone")  # ray.kill returns before
+    wait_for(lambda: actor_gone(monitor), what="the killed monitor to be gone")  # ray.kill returns before
     recent = json.loads(gc("--dry-run", "--json")[1])
     assert recent["would_remove"] == [] and len(recent["not_idle_yet"]) == 3  # all just written
 
@@ -194,11 +194,3 @@ def test_verify_draws_a_progress_bar_on_a_terminal_only(make_monitor, tmp_path):
     assert proc.wait(60) == 0 and "files match" in proc.stdout.read()
     os.close(primary)
     assert b"checking step 1" in drawn
-
-
-def _gone(handle) -> bool:
-    try:
-        ray.get(handle.ping.remote(), timeout=10)
-        return False
-    except ray.exceptions.RayActorError:
-        return True

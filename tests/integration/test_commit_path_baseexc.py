@@ -13,6 +13,8 @@ import ray
 import ckptd
 from ckptd.errors import CheckpointError, CheckpointSaveError
 
+from .helpers import actor_gone, wait_for
+
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 TRACKERS = {"latest_checkpointed_iteration.txt": "checkpoint", "latest_state_dict_iteration.txt": "state_dict"}
@@ -191,8 +193,7 @@ def test_failed_step_never_commits_after_restart_and_new_job(make_monitor, run_n
     coord.close()
     # A new job: a new monitor on the same root.
     ray.kill(monitor, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # returns once the old monitor is gone
-        ray.get(monitor.ping.remote(), timeout=60)
+    wait_for(lambda: actor_gone(monitor), timeout_s=60, what="the old monitor to be gone")
     monitor2 = make_monitor(root, run=run_name + "n")
     coord2 = _wait_alive(lambda: ckptd.CheckpointCoordinator(monitor2, worker_id="w1"))
     assert_never_committed(root, 2)

@@ -99,6 +99,45 @@ def restart_monitor(monitor, how: str = "ray.kill") -> None:
              what="the monitor to restart")
 
 
+def arm_in_monitor(monitor, name: str, action: str | None) -> None:
+    """Arm (or with None disarm) a named failpoint in the running monitor's process only."""
+    def set_it(_self):
+        from ckptd import failpoints
+        if action is None:
+            failpoints.disarm(name)
+        else:
+            failpoints.arm(name, action)
+    ray.get(monitor.__ray_call__.remote(set_it))
+
+
+def write_step_file(root: str, step: int, name: str, data: bytes | None = None) -> list[str]:
+    """Write one file (64 random bytes by default) into the step's directory; return its path."""
+    d = ckptd.step_dir(root, step)
+    os.makedirs(d, exist_ok=True)
+    with open(f"{d}/{name}", "wb") as f:
+        f.write(data if data is not None else os.urandom(64))
+    return [f"{d}/{name}"]
+
+
+def disk_full() -> None:
+    """A save function that fails."""
+    raise OSError("disk full")
+
+
+def fail_checkpoint_unit(coord, root: str, step: int) -> None:
+    """A checkpoint unit of ``step`` that writes part of a file (creating the step directory),
+    then fails with "disk full"."""
+    def half_written() -> None:
+        write_step_file(root, step, "optim.partial")
+        disk_full()
+
+    try:
+        coord.save_sync(half_written, step)
+    except ckptd.CheckpointSaveError:
+        return
+    raise AssertionError(f"the failing checkpoint unit of step {step} did not fail")
+
+
 def actor_gone(handle) -> bool:
     """Whether the actor no longer answers: ray.kill returns before the actor is gone, and a call
     made meanwhile may still be served."""

@@ -55,7 +55,18 @@ import ray
 
 import ckptd
 
-from .helpers import SaveWorker, assert_trackers_verified, read_manifest, restart_monitor, status, wait_for
+from .helpers import (
+    SaveWorker,
+    arm_in_monitor,
+    assert_trackers_verified,
+    disk_full,
+    fail_checkpoint_unit,
+    read_manifest,
+    restart_monitor,
+    status,
+    wait_for,
+    write_step_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -66,18 +77,6 @@ ORDERS = list(itertools.permutations(("reg", "fail", "sd")))
 def _reg_records(root: str, step: int) -> list[str]:
     """Every registration record of ``step`` under the root's ledger, all attempts."""
     return sorted(os.path.basename(p) for p in glob.glob(f"{root}/.ckptd/pending/*/{step}/reg-*.json"))
-
-
-def _write(root: str, step: int, name: str, data: bytes | None = None) -> list[str]:
-    d = ckptd.step_dir(root, step)
-    os.makedirs(d, exist_ok=True)
-    with open(f"{d}/{name}", "wb") as f:
-        f.write(data if data is not None else os.urandom(64))
-    return [f"{d}/{name}"]
-
-
-def _broken() -> None:
-    raise OSError("disk full")
 
 
 def _settle(monitor) -> None:
@@ -115,9 +114,9 @@ def test_every_order_of_registration_failure_and_state_dict_unit_with_restarts_b
     def event(step: int, what: str, failed_before: bool) -> None:
         if what == "fail":
             with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
-                coord.save_sync(_broken, step)
+                coord.save_sync(disk_full, step)
         elif what == "sd":
-            coord.save_sync(lambda: _write(root, step, "sd.bin"), step, is_state_dict=True)
+            coord.save_sync(lambda: write_step_file(root, step, "sd.bin"), step, is_state_dict=True)
         elif failed_before:
             with pytest.raises(ckptd.CheckpointSaveError, match="disk full") as info:
                 coord.register(step, state_dict_thread_count=1, checkpoint_thread_count=1)
@@ -163,8 +162,8 @@ def test_every_order_of_registration_failure_and_state_dict_unit_with_restarts_b
     assert assert_trackers_verified(root) == {SD: 3, CKPT: None}
     third = make_monitor(root, run=f"{run_name}-c", max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(third, worker_id="w2")
-    coord.save_async("model", lambda: _write(root, 4, "model.bin"), 4, is_state_dict=True)
-    coord.save_async("optim", lambda: _write(root, 4, "optim.bin"), 4)
+    coord.save_async("model", lambda: write_step_file(root, 4, "model.bin"), 4, is_state_dict=True)
+    coord.save_async("optim", lambda: write_step_file(root, 4, "optim.bin"), 4)
     coord.register(4, state_dict_thread_count=1, checkpoint_thread_count=1)
     coord.wait_all()
     coord.wait_committed(4, timeout_s=30)
@@ -187,7 +186,7 @@ def test_a_split_registration_straddling_the_failure_and_a_restart(make_monitor,
     for step, calls in ((10, ({"checkpoint_thread_count": 1}, {"state_dict_thread_count": 1})),
                         (11, ({"state_dict_thread_count": 1}, {"checkpoint_thread_count": 1}))):
         with pytest.raises(ckptd.CheckpointSaveError):
-            coord.save_sync(_broken, step)
+            coord.save_sync(disk_full, step)
         before = _reg_records(root, step)
         with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
             coord.register(step, **calls[0])
@@ -200,7 +199,7 @@ def test_a_split_registration_straddling_the_failure_and_a_restart(make_monitor,
         with pytest.raises(TimeoutError):  # it waits for its state-dict unit
             coord.wait_committed(step, is_state_dict=True, timeout_s=0.3)
         assert status(monitor).step(step, SD).expected == 1
-        coord.save_sync(lambda s=step: _write(root, s, "sd.bin"), step, is_state_dict=True)
+        coord.save_sync(lambda s=step: write_step_file(root, s, "sd.bin"), step, is_state_dict=True)
         _check_outcome(root, coord, [step])
     coord.close()
 
@@ -214,7 +213,7 @@ def test_a_registration_retried_with_its_id_across_restarts_counts_once(make_mon
     monitor = make_monitor(root, max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(_broken, 20)
+        coord.save_sync(disk_full, 20)
     call = (20, {"state_dict": 1, "checkpoint": 1}, "checkpoint", "reg-s15-retried")
 
     def answer() -> dict:
@@ -227,7 +226,7 @@ def test_a_registration_retried_with_its_id_across_restarts_counts_once(make_mon
     restart_monitor(monitor, how="sigkill")
     answer()
     assert status(monitor).step(20, SD).expected == 1 and status(monitor).step(20, CKPT).expected == 1
-    coord.save_sync(lambda: _write(root, 20, "sd.bin"), 20, is_state_dict=True)
+    coord.save_sync(lambda: write_step_file(root, 20, "sd.bin"), 20, is_state_dict=True)
     coord.wait_committed(20, is_state_dict=True, timeout_s=30)
     assert read_manifest(root, 20, SD).registered == 1
     answer()
@@ -248,10 +247,10 @@ def test_a_registration_of_a_settled_step_writes_nothing_and_reports_the_failure
     monitor = make_monitor(root, max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     coord.register(30, state_dict_thread_count=1, checkpoint_thread_count=1)
-    coord.save_sync(lambda: _write(root, 30, "sd.bin"), 30, is_state_dict=True)
+    coord.save_sync(lambda: write_step_file(root, 30, "sd.bin"), 30, is_state_dict=True)
     coord.wait_committed(30, is_state_dict=True, timeout_s=30)
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(_broken, 30)
+        coord.save_sync(disk_full, 30)
     records = _reg_records(root, 30)
     for restarted in (False, True):
         if restarted:
@@ -263,7 +262,7 @@ def test_a_registration_of_a_settled_step_writes_nothing_and_reports_the_failure
                 coord.register(30, **kwargs)
             assert _reg_records(root, 30) == records, kwargs
         with pytest.raises(ckptd.CheckpointSaveError, match="already failed"):
-            coord.save_sync(lambda: _write(root, 30, "late.bin"), 30, is_state_dict=True)
+            coord.save_sync(lambda: write_step_file(root, 30, "late.bin"), 30, is_state_dict=True)
     assert not os.path.exists(f"{ckptd.step_dir(root, 30)}/late.bin")
     _check_outcome(root, coord, [30])
     coord.close()
@@ -278,10 +277,10 @@ def test_a_state_dict_registration_of_a_settled_step_writes_nothing(make_monitor
     monitor = make_monitor(root, max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     coord.register(31, state_dict_thread_count=1, checkpoint_thread_count=1)
-    coord.save_sync(lambda: _write(root, 31, "sd.bin"), 31, is_state_dict=True)
+    coord.save_sync(lambda: write_step_file(root, 31, "sd.bin"), 31, is_state_dict=True)
     coord.wait_committed(31, is_state_dict=True, timeout_s=30)
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(_broken, 31)
+        coord.save_sync(disk_full, 31)
     records = _reg_records(root, 31)
     try:
         with pytest.raises(ckptd.CheckpointError):
@@ -302,45 +301,34 @@ def test_a_full_checkpoint_with_no_checkpoint_count_waits_for_its_state_dict_uni
     monitor = make_monitor(root, max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(_broken, 40, is_state_dict=True)
+        coord.save_sync(disk_full, 40, is_state_dict=True)
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full") as info:
         asyncio.run(coord.register_and_monitor(40, state_dict_thread_count=2))
     assert info.value.kind == "checkpoint"
     assert _reg_records(root, 40) == []
     with pytest.raises(ckptd.CheckpointSaveError, match="already failed"):
-        coord.save_sync(lambda: _write(root, 40, "sd.bin"), 40, is_state_dict=True)
+        coord.save_sync(lambda: write_step_file(root, 40, "sd.bin"), 40, is_state_dict=True)
     for kind in (SD, CKPT):
         with pytest.raises(ckptd.CheckpointSaveError):
             coord.wait_committed(40, is_state_dict=kind is SD, timeout_s=30)
         assert read_manifest(root, 40, kind) is None
 
     with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(_broken, 41)
+        coord.save_sync(disk_full, 41)
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.register(41, state_dict_thread_count=1)
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.register(41, state_dict_thread_count=1)  # adds up: two state-dict units
-    coord.save_sync(lambda: _write(root, 41, "sd-a.bin"), 41, is_state_dict=True)
+    coord.save_sync(lambda: write_step_file(root, 41, "sd-a.bin"), 41, is_state_dict=True)
     with pytest.raises(TimeoutError):
         coord.wait_committed(41, is_state_dict=True, timeout_s=0.3)
     assert read_manifest(root, 41, SD) is None
-    coord.save_sync(lambda: _write(root, 41, "sd-b.bin"), 41, is_state_dict=True)
+    coord.save_sync(lambda: write_step_file(root, 41, "sd-b.bin"), 41, is_state_dict=True)
     coord.wait_committed(41, is_state_dict=True, timeout_s=30)
     assert sorted(f.path for f in read_manifest(root, 41, SD).files) == ["sd-a.bin", "sd-b.bin"]
     assert read_manifest(root, 41, SD).registered == 2 and read_manifest(root, 41, CKPT) is None
     assert assert_trackers_verified(root) == {SD: 41, CKPT: None}
     coord.close()
-
-
-def _arm(monitor, name: str, action: str | None) -> None:
-    """Arm (or with None disarm) a named failpoint in the running monitor's process only."""
-    def set_it(_self):
-        from ckptd import failpoints
-        if action is None:
-            failpoints.disarm(name)
-        else:
-            failpoints.arm(name, action)
-    ray.get(monitor.__ray_call__.remote(set_it))
 
 
 @pytest.mark.parametrize("registration", ["full_checkpoint", "state_dict"])
@@ -358,20 +346,15 @@ def test_a_state_dict_of_a_failed_step_is_refused_once_retention_deletes_the_ste
     monitor = make_monitor(root, max_state_dict_to_keep=None, keep_every_n_steps=3)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
 
-    def half_written() -> None:
-        _write(root, 3, "optim.partial")
-        raise OSError("disk full")
-
-    with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(half_written, 3)
-    _arm(monitor, "before_step_delete", "delay:4")
+    fail_checkpoint_unit(coord, root, 3)
+    arm_in_monitor(monitor, "before_step_delete", "delay:4")
     try:
-        coord.save_sync(lambda: _write(root, 5, "sd.bin"), 5, is_state_dict=True)
+        coord.save_sync(lambda: write_step_file(root, 5, "sd.bin"), 5, is_state_dict=True)
         coord.register(5, is_state_dict=True, state_dict_thread_count=1)
         coord.wait_committed(5, is_state_dict=True, timeout_s=30)
         assert not ray.get(monitor.wait_retention.remote(0))  # the pass that deletes step 3 runs
         with pytest.raises(ckptd.CheckpointSaveError, match="retention deletes step 3"):
-            coord.save_sync(lambda: _write(root, 3, "sd.bin"), 3, is_state_dict=True)
+            coord.save_sync(lambda: write_step_file(root, 3, "sd.bin"), 3, is_state_dict=True)
         with pytest.raises(ckptd.CheckpointSaveError, match="disk full|retention deletes step 3"):
             if registration == "full_checkpoint":
                 coord.register(3, state_dict_thread_count=1, checkpoint_thread_count=1)
@@ -379,7 +362,7 @@ def test_a_state_dict_of_a_failed_step_is_refused_once_retention_deletes_the_ste
                 coord.register(3, is_state_dict=True, state_dict_thread_count=1)
         assert ray.get(monitor.wait_retention.remote(60))
     finally:
-        _arm(monitor, "before_step_delete", None)
+        arm_in_monitor(monitor, "before_step_delete", None)
     try:
         assert not os.path.exists(ckptd.step_dir(root, 3))  # deleted as a failed leftover
         assert_trackers_verified(root)
@@ -410,12 +393,12 @@ def test_a_registration_waiting_for_a_failure_record_is_not_accepted_into_a_comm
     worker = SaveWorker.remote(run_name, 0)
     ray.get(worker.pid.remote())
     coord.register(50, is_state_dict=True, state_dict_thread_count=1)
-    _arm(monitor, "before_failure_record", "raise")
+    arm_in_monitor(monitor, "before_failure_record", "raise")
     errors = []
 
     def fail_unit() -> None:
         try:
-            failing.save_sync(_broken, 50)
+            failing.save_sync(disk_full, 50)
         except ckptd.CheckpointSaveError as e:
             errors.append(e)
 
@@ -428,19 +411,19 @@ def test_a_registration_waiting_for_a_failure_record_is_not_accepted_into_a_comm
         ref = monitor.register.remote(50, {"state_dict": 1, "checkpoint": 1}, "checkpoint", "reg-s15-waiting")
         ready, _ = ray.wait([ref], timeout=0.5)
         assert not ready  # it waits for the failure record
-        _arm(monitor, "before_manifest", "delay:8")
+        arm_in_monitor(monitor, "before_manifest", "delay:8")
         ray.get(worker.save.remote(50, "model", is_state_dict=True))
         assert ray.get(worker.wait_all.remote()) is None
         wait_for(lambda: ray.get(monitor.__ray_call__.remote(lambda self: 50 in self._committing)),
                  what="the state dict commit")
-        _arm(monitor, "before_failure_record", None)
+        arm_in_monitor(monitor, "before_failure_record", None)
         err = ray.get(ref, timeout=60)["error"]
         assert err is not None and err["kind"] == "checkpoint"
         t.join(60)
         coord.wait_committed(50, is_state_dict=True, timeout_s=30)
     finally:
-        _arm(monitor, "before_failure_record", None)
-        _arm(monitor, "before_manifest", None)
+        arm_in_monitor(monitor, "before_failure_record", None)
+        arm_in_monitor(monitor, "before_manifest", None)
         t.join(60)
     try:
         assert errors and read_manifest(root, 50, SD).registered == 1

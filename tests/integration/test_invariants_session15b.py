@@ -67,7 +67,16 @@ import torch
 import ckptd
 from ckptd.workers import save_hf_model
 
-from .helpers import assert_trackers_verified, read_manifest, restart_monitor, status, wait_for
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    fail_checkpoint_unit,
+    read_manifest,
+    restart_monitor,
+    status,
+    wait_for,
+    write_step_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -76,37 +85,14 @@ POOL = 8  # the monitor's I/O threads (actor.py: ThreadPoolExecutor(max_workers=
 HOLD_S = 3.0  # how long each failure record holds its I/O thread
 
 
-def _arm(monitor, name: str, action: str | None) -> None:
-    """Arm (or with None disarm) a named failpoint in the running monitor's process only."""
-    def set_it(_self):
-        from ckptd import failpoints
-        if action is None:
-            failpoints.disarm(name)
-        else:
-            failpoints.arm(name, action)
-    ray.get(monitor.__ray_call__.remote(set_it))
-
-
 def _in_monitor(monitor, fn):
     return ray.get(monitor.__ray_call__.remote(fn))
-
-
-def _write(root: str, step: int, name: str) -> list[str]:
-    d = ckptd.step_dir(root, step)
-    os.makedirs(d, exist_ok=True)
-    with open(f"{d}/{name}", "wb") as f:
-        f.write(os.urandom(64))
-    return [f"{d}/{name}"]
-
-
-def _broken() -> None:
-    raise OSError("disk full")
 
 
 def _hold_io_pool(monitor, first_step: int) -> list:
     """Fill every I/O thread of the monitor with a failure record slowed by HOLD_S: eight
     failing units of eight steps, reported concurrently (one call each). Returns the refs."""
-    _arm(monitor, "before_failure_record", f"delay:{HOLD_S}")
+    arm_in_monitor(monitor, "before_failure_record", f"delay:{HOLD_S}")
     refs = []
     for i in range(POOL):
         unit = {"worker": "hold", "name": f"hold{i}", "step": first_step + i, "kind": "checkpoint", "call": f"hold-{i}"}
@@ -115,7 +101,7 @@ def _hold_io_pool(monitor, first_step: int) -> list:
     steps = set(range(first_step, first_step + POOL))
     wait_for(lambda: steps <= {s for s, _ in _in_monitor(monitor, lambda self: list(self._failure_writes))},
              what="every I/O thread holding a failure record")
-    _arm(monitor, "before_failure_record", None)  # those in flight keep sleeping
+    arm_in_monitor(monitor, "before_failure_record", None)  # those in flight keep sleeping
     return refs
 
 
@@ -126,7 +112,7 @@ def _gated_unit(coord, root: str, step: int, name: str):
     def fn():
         started.set()
         assert go.wait(60)
-        return _write(root, step, f"{name}.bin")
+        return write_step_file(root, step, f"{name}.bin")
 
     coord.save_async(name, fn, step, is_state_dict=True)
     assert started.wait(30)
@@ -162,7 +148,7 @@ def test_registrations_racing_each_other_and_a_units_finish_are_all_counted(make
     assert read_manifest(root, 70, SD) is None  # one of three units: no commit
     assert status(monitor).step(70, SD).expected == 3
     for name in ("u2", "u3"):
-        coord.save_sync(lambda n=name: _write(root, 70, f"{n}.bin"), 70, is_state_dict=True)
+        coord.save_sync(lambda n=name: write_step_file(root, 70, f"{n}.bin"), 70, is_state_dict=True)
     coord.wait_committed(70, is_state_dict=True, timeout_s=30)
     manifest = read_manifest(root, 70, SD)
     assert manifest.registered == 3 and sorted(f.path for f in manifest.files) == ["u1.bin", "u2.bin", "u3.bin"]
@@ -209,23 +195,18 @@ def test_the_retention_fence_covers_every_step_the_pass_deletes(make_monitor, tm
     monitor = make_monitor(root, max_state_dict_to_keep=None, keep_every_n_steps=3)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
 
-    def half_written() -> None:
-        _write(root, 6, "optim.partial")
-        raise OSError("disk full")
-
-    with pytest.raises(ckptd.CheckpointSaveError):
-        coord.save_sync(half_written, 6)
-    _arm(monitor, "before_tracker_rename", "raise")
-    _arm(monitor, "before_step_delete", "delay:5")
+    fail_checkpoint_unit(coord, root, 6)
+    arm_in_monitor(monitor, "before_tracker_rename", "raise")
+    arm_in_monitor(monitor, "before_step_delete", "delay:5")
     try:
-        coord.save_sync(lambda: _write(root, 7, "sd.bin"), 7, is_state_dict=True)
+        coord.save_sync(lambda: write_step_file(root, 7, "sd.bin"), 7, is_state_dict=True)
         coord.register(7, is_state_dict=True, state_dict_thread_count=1)
         coord.wait_committed(7, is_state_dict=True, timeout_s=30)  # committed; its tracker failed
-        _arm(monitor, "before_tracker_rename", None)
+        arm_in_monitor(monitor, "before_tracker_rename", None)
         assert not ray.get(monitor.wait_retention.remote(0))  # the pass that deletes step 6 runs
         committed = False
         try:
-            coord.save_sync(lambda: _write(root, 6, "sd.bin"), 6, is_state_dict=True)
+            coord.save_sync(lambda: write_step_file(root, 6, "sd.bin"), 6, is_state_dict=True)
             coord.register(6, is_state_dict=True, state_dict_thread_count=1)
             coord.wait_committed(6, is_state_dict=True, timeout_s=30)
             committed = True
@@ -233,8 +214,8 @@ def test_the_retention_fence_covers_every_step_the_pass_deletes(make_monitor, tm
             assert "retention deletes step 6" in str(e) or "disk full" in str(e)
         assert ray.get(monitor.wait_retention.remote(60))
     finally:
-        _arm(monitor, "before_tracker_rename", None)
-        _arm(monitor, "before_step_delete", None)
+        arm_in_monitor(monitor, "before_tracker_rename", None)
+        arm_in_monitor(monitor, "before_step_delete", None)
     try:
         if committed:  # reported committed: it must still be there
             assert read_manifest(root, 6, SD) is not None

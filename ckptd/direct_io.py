@@ -206,23 +206,24 @@ class DirectWriter(ChecksummedStream):
         self._wait(self._cur)  # the other buffer's write must be done before it is refilled
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset``: with O_DIRECT while the kernel takes it, the rest (all
+        of it once O_DIRECT was refused) buffered."""
         done = 0
-        while done < len(data):
+        while self.direct and done < len(data):
             try:
-                if self.direct:
-                    failpoints.hit("direct_io_write")
+                failpoints.hit("direct_io_write")
                 n = os.pwrite(self._fd, data[done:], offset + done)
             except (OSError, FailpointError) as e:
-                refused = isinstance(e, FailpointError) or e.errno == errno.EINVAL
-                if not (self.direct and refused):
+                if not (isinstance(e, FailpointError) or e.errno == errno.EINVAL):
                     raise
                 self._fall_back()
-                continue
+                break
             if n == 0:
                 raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
             done += n
-            if self.direct and done < len(data) and n % ALIGN:
+            if done < len(data) and n % ALIGN:
                 self._fall_back()  # a short write left the rest unaligned
+        _write_all(self._fd, data[done:], offset + done)
 
     def _fall_back(self) -> None:
         with self._lock:

@@ -114,16 +114,13 @@ def write_torch(storage: Storage, path: str, obj: Any) -> WrittenFile:
     """``torch.save`` streamed into storage (no in-memory copy of the serialised bytes)."""
     import torch
 
+    from ckptd.workers.safetensors_io import tensor_nbytes
     from ckptd.workers.state_dict import map_tensors
 
-    tensor_bytes = 0
-
-    def add(t: torch.Tensor) -> None:
-        nonlocal tensor_bytes
-        tensor_bytes += t.numel() * t.element_size()
-
-    map_tensors(obj, add)  # about the file's size: what decides whether it goes past the page cache
-    return write_stream(storage, path, lambda w: torch.save(obj, w), size=tensor_bytes)
+    # About the file's size (its tensors' bytes): what decides whether it goes past the page cache.
+    sizes: list[int] = []
+    map_tensors(obj, lambda t: sizes.append(tensor_nbytes(t)))
+    return write_stream(storage, path, lambda w: torch.save(obj, w), size=sum(sizes))
 
 
 def read_verified(storage: Storage, path: str, entry: FileEntry | None) -> bytes:

@@ -18,7 +18,10 @@ Two training stand-ins, with the same checkpointed state (``model_mib`` of weigh
   costs such a trainer.
 
 The training thread's time inside ckptd calls (the save calls and the fence) is also measured,
-so the table shows how much of the slowdown is waiting for staging and how much is contention.
+so the table shows how much of the slowdown is waiting for staging and how much is contention;
+so is its CPU time, which tells contention apart: a training thread that waits for the GIL (or
+for a core) loses wall time but no CPU time, one slowed by the save's memory traffic or
+interrupts spends more CPU on the same work.
 A synchronous ``torch.save`` + fsync of the same state is a context row (fewer blocks).
 """
 
@@ -83,6 +86,7 @@ class _Loop:
         self._matmul_step(lambda: None)  # allocates gradients and the optimizer's state
         self.nbytes = sum(p.numel() * 4 * 3 for p in self.model.parameters())  # weights + 2 AdamW moments
         self.blocked = 0.0  # the training thread's time inside ckptd calls, this block
+        self.cpu = 0.0  # the training thread's CPU time per step, this block
 
     def _matmul_step(self, fence: Callable[[], None]) -> None:
         loss = self.model(self.x).square().mean()
@@ -129,7 +133,7 @@ class _Loop:
         self.blocked = 0.0
         fence = self._fence if mode == "ckptd" else (lambda: None)
         last = None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         for i in range(steps):
             if mode != "none" and i % every == 0:
                 if mode == "ckptd":
@@ -141,6 +145,7 @@ class _Loop:
                     self._save_sync()
             self.step(fence)
         per_step = (time.perf_counter() - t0) / steps
+        self.cpu = (time.thread_time() - cpu0) / steps
         if last is not None:  # not timed: the next block starts with no save in flight
             self.coord.wait_all()
             self.coord.wait_committed(last, timeout_s=600)
@@ -177,6 +182,11 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
                   note="save calls and the fence, per step of the ckptd blocks")
     net = Row(scenario, "ckptd minus time in ckptd calls", "s/step",
               note="what is left of the slowdown is contention: CPU, memory bandwidth, the GIL")
+    cpu_base = Row(scenario, "no checkpointing: training thread CPU time", "s/step",
+                   note="time.thread_time() per step")
+    cpu_ck = Row(scenario, "ckptd: training thread CPU time", "s/step",
+                 note="above the baseline's: the same work made slower (memory traffic, interrupts); "
+                      "wall time above CPU time and ckptd calls: waiting for the GIL or a core")
     phases = breakdown.Breakdown(f"P3 {variant}")
     saved: list[int] = []
 
@@ -184,14 +194,20 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
         t = loop.block("ckptd", steps, every, saved)
         blocked.samples.append(loop.blocked / steps)
         net.samples.append(t - loop.blocked / steps)
+        cpu_ck.samples.append(loop.cpu)
+        return t
+
+    def run_none() -> float:
+        t = loop.block("none", steps, every)
+        cpu_base.samples.append(loop.cpu)
         return t
 
     loop.block("none", steps, every)  # warm-up of both loops (staging buffers are allocated here)
     loop.block("ckptd", steps, every)
-    a, b = interleave(run_ckptd, lambda: loop.block("none", steps, every), pairs)
+    a, b = interleave(run_ckptd, run_none, pairs)
     ck.samples, base.samples = a, b
     breakdown.collect(h.monitor, saved, loop.coord.worker_id, phases)
-    rows = [base, ck, blocked, net]
+    rows = [base, ck, blocked, net, cpu_base, cpu_ck]
     if sync_blocks:
         sync = Row(scenario, "torch.save + fsync, synchronous", "s/step", note=f"context: {sync_blocks} blocks")
         sync.samples = [loop.block("sync", steps, every) for _ in range(sync_blocks)]

@@ -46,6 +46,14 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
         # 3 pairs: one save per P1/P2 pair, two per P3 block (every 2 or 3 steps of 4 or 6).
         assert b["steps"] == (6 if label.startswith("P3") else 3) and b["durable_ms"] > 0, b
         assert all(b["median_ms"][phase] > 0 for phase in ALL), (label, b)
+    # P3: the training thread's CPU time beside its wall time, block by block: what tells waiting
+    # (for the GIL or a core) from the same work made slower.
+    for variant in ("matmul", "python", "python-process"):
+        p3 = {r["method"]: r for r in result["rows"] if r["scenario"] == f"P3 training ({variant})"}
+        for cpu, wall in (("no checkpointing: training thread CPU time", "no checkpointing"),
+                          ("ckptd: training thread CPU time", "ckptd (fenced staging)")):
+            assert len(p3[cpu]["samples"]) == len(p3[wall]["samples"]) == 3, (variant, cpu)
+            assert all(0 < c <= w * 1.01 for c, w in zip(p3[cpu]["samples"], p3[wall]["samples"], strict=True))
     # P9: both modes measured on the real monitor through node and zone relays.
     p9 = {r["method"]: r for r in result["rows"] if r["scenario"] == "P9 scale"}
     for mode in ("spread", "burst"):

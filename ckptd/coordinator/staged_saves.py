@@ -108,7 +108,7 @@ class StagedSaves:
                 phases.add(phases.STAGING, snap.copy_seconds)
                 if writer is None:
                     return write_fn(snap.state)
-                return writer.run(in_mode, self._storage.direct_io, write_fn, snap.state)
+                return writer.run(in_mode, self._storage.direct_io, write_fn, snap.state, buffers=snap.buffers)
             finally:
                 snap.release()
 

@@ -18,6 +18,7 @@ Two ways to stage:
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
 from typing import Any
@@ -63,11 +64,16 @@ def _layout(leaves: list[torch.Tensor]) -> tuple:
     return tuple((t.shape, t.dtype, t.device.type == "cuda") for t in leaves)
 
 
+_uids = itertools.count(1)
+
+
 class BufferSet:
     """Host tensors shaped like one state's tensors: pinned for GPU sources, or in shared memory
-    (``shared``) for a writer in another process, which then reads them without a copy."""
+    (``shared``) for a writer in another process, which then reads them without a copy. ``uid``
+    names the set for the life of the process (a writer process holds sets by it)."""
 
     def __init__(self, leaves: list[torch.Tensor], shared: bool = False) -> None:
+        self.uid = next(_uids)
         self.layout = _layout(leaves)
         if shared:
             self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for t in leaves]
@@ -277,6 +283,11 @@ class Snapshot:
         """Wait until the first ``nbytes`` of ``buffer`` (a tensor of :attr:`state`) are staged,
         so a writer can stream the part copied so far; raise CheckpointError if the copy failed."""
         self._copy.wait_staged(buffer, nbytes)
+
+    @property
+    def buffers(self) -> BufferSet:
+        """The buffer set the state is copied into."""
+        return self._buf
 
     @property
     def copy_seconds(self) -> float:

@@ -15,17 +15,30 @@ are the shared buffers (read-only by contract: they are reused by the next save 
 
 A writer process that dies (killed, out of memory) fails the save that was writing, with its exit
 code in the error; the next save starts a new one.
+
+Each buffer set is sent to the writer process once, the first time a save uses it: sending a
+shared-memory tensor passes its file descriptor through multiprocessing's resource sharer, a
+thread of the training process that takes the GIL several times per tensor. After that a job
+names the set's tensors by position, so a save costs the training process two pipe messages
+however many tensors it holds (measured with ``perf sched``: the resource sharer woke a GIL-bound
+training thread about 500 times a second while saves ran; docs/benchmarks.md). The writer process
+drops a set when the training process has dropped it.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
+import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
 import torch.multiprocessing as tmp
 
 from ckptd import direct_io, phases
@@ -78,21 +91,60 @@ class WriterProcessError(CheckpointError):
     """A write in the writer process raised, or the process died; the message says which."""
 
 
-def _serve(jobs: Any, results: Any) -> None:
-    """The writer process: run each job, send back (ok, value or error text, phase totals)."""
-    import torch
+class _JobPickler(ForkingPickler):
+    """Pickles a job with the tensors of the buffer sets the writer process holds as references:
+    ``persistent`` maps ``id(tensor)`` to (set uid, position)."""
 
+    def __init__(self, file: io.BytesIO, persistent: dict[int, tuple[int, int]]) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._persistent = persistent
+
+    def persistent_id(self, obj: Any) -> tuple[int, int] | None:
+        return self._persistent.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+
+
+class _JobUnpickler(pickle.Unpickler):
+    """The writer process's side: references become the buffer sets' tensors it holds."""
+
+    def __init__(self, data: bytes, sets: dict[int, list]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._sets = sets
+
+    def persistent_load(self, pid: Any) -> Any:
+        uid, index = pid
+        try:
+            # A new alias of the held tensor for every job: a write_fn that changes its view in
+            # place (unsqueeze_, t_) must not change the next job's.
+            return self._sets[uid][index].detach()
+        except (KeyError, IndexError):
+            raise pickle.UnpicklingError(f"the job names buffer set {uid} tensor {index}, which this "
+                                         "writer process was never sent") from None
+
+
+def _serve(jobs: Any, results: Any) -> None:
+    """The writer process: hold the buffer sets it is sent, run each job, send back (ok, value
+    or error text, phase totals)."""
     torch.set_num_threads(1)
+    sets: dict[int, list] = {}
     while True:
         try:
-            job = jobs.recv()
+            message = jobs.recv()
         except EOFError:  # the training process is gone
             return
-        if job is None:
+        if message is None:
             return
-        fn, args = job
+        kind, payload = message
+        if kind == "buffers":
+            uid, tensors = payload
+            sets[uid] = tensors
+            continue
+        if kind == "forget":
+            for uid in payload:
+                sets.pop(uid, None)
+            continue
         with phases.collect() as totals:
             try:
+                fn, args = _JobUnpickler(payload, sets).load()
                 value: Any = fn(*args)
                 ok = True
             except BaseException as e:  # reported to the save, which fails with it
@@ -118,8 +170,14 @@ class WriterProcess:
         self._proc: Any = None
         self._jobs: Any = None
         self._results: Any = None
+        self._sent: set[int] = set()  # the buffer sets the running process holds
+        self._watched: set[int] = set()  # the buffer sets whose end is watched (weakref.finalize)
+        # Sets dropped here since the last job, for the process to drop. A SimpleQueue: its put is
+        # reentrant, and weakref callbacks run wherever a collection happens, run() included.
+        self._dropped: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     def _start(self) -> None:
+        self._sent = set()
         child_jobs, self._jobs = self._ctx.Pipe(duplex=False)
         self._results, child_results = self._ctx.Pipe(duplex=False)
         self._proc = self._ctx.Process(target=_serve, args=(child_jobs, child_results),
@@ -128,8 +186,13 @@ class WriterProcess:
         child_jobs.close()
         child_results.close()
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, buffers: Any = None) -> Any:
         """``fn(*args)`` in the writer process (started if need be); its return value.
+
+        Args:
+            buffers: The shared-memory buffer set (:class:`~ckptd.coordinator.staging.BufferSet`)
+                whose tensors ``args`` holds: sent to the process the first time, named by
+                position after that.
 
         Raises:
             WriterProcessError: ``fn`` raised there (its traceback is in the message), or the
@@ -139,7 +202,14 @@ class WriterProcess:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
             try:
-                self._jobs.send((fn, args))
+                self._send_dropped()
+                persistent: dict[int, tuple[int, int]] = {}
+                if buffers is not None:
+                    self._hold(buffers)
+                    persistent = {id(t): (buffers.uid, i) for i, t in enumerate(buffers.tensors)}
+                payload = io.BytesIO()
+                _JobPickler(payload, persistent).dump((fn, args))
+                self._jobs.send(("job", payload.getvalue()))
                 while not self._results.poll(0.5):
                     if not self._proc.is_alive():
                         raise EOFError
@@ -156,6 +226,33 @@ class WriterProcess:
         if not ok:
             raise WriterProcessError(f"the writer process of {self._label} failed:\n{value}")
         return value
+
+    def _hold(self, buffers: Any) -> None:
+        """Send ``buffers`` to the process unless it holds them; once dropped here, they are
+        dropped there with the next job."""
+        if buffers.uid in self._sent:
+            return
+        self._jobs.send(("buffers", (buffers.uid, buffers.tensors)))
+        self._sent.add(buffers.uid)
+        if buffers.uid not in self._watched:
+            self._watched.add(buffers.uid)
+            weakref.finalize(buffers, self._on_dropped, buffers.uid)
+
+    def _on_dropped(self, uid: int) -> None:
+        self._dropped.put(uid)
+
+    def _send_dropped(self) -> None:
+        dropped = []
+        while True:
+            try:
+                dropped.append(self._dropped.get_nowait())
+            except queue.Empty:
+                break
+        self._watched.difference_update(dropped)
+        gone = [uid for uid in dropped if uid in self._sent]
+        if gone:
+            self._sent.difference_update(gone)
+            self._jobs.send(("forget", gone))
 
     @property
     def pid(self) -> int | None:

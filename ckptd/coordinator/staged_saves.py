@@ -127,7 +127,10 @@ class StagedSaves:
     def before_update(self) -> None:
         """Wait until every fenced staging copy has finished; call it before the optimizer step.
 
-        Returns at once when nothing is being staged.
+        Returns at once when nothing is being staged. Otherwise the calling thread copies the
+        chunks the staging thread has not reached yet (from the end backwards) rather than wait
+        idle: with a core free, the wait is about halved. A copy error is not raised here: the
+        save fails with it.
         """
         started = time.time()
         fenced = self._staging.fence()

@@ -12,7 +12,8 @@ Two ways to stage:
 * fenced: the copy runs on a staging thread while forward and backward go on, since parameters
   and optimizer state only change at the optimizer step. The training loop calls
   ``coord.before_update()`` before that step, which waits for whatever part of the copy is not
-  done yet.
+  done yet, copying that part itself alongside the staging thread
+  (:mod:`ckptd.coordinator.staged_copy`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
-import time
 from typing import Any
 
 import torch
 
-from ckptd import failpoints
-from ckptd.errors import CheckpointError
+from ckptd.coordinator.staged_copy import StagedCopy
 from ckptd.threads import lower_priority
 from ckptd.workers.dtensor import is_dtensor, local_tensor
 from ckptd.workers.state_dict import map_tensors
@@ -133,96 +132,6 @@ class Stager:
             self._cond.notify()
 
 
-_CHUNK = 16 << 20  # fenced copies publish their progress every this many bytes
-
-
-class StagedCopy:
-    """One state copied into one buffer set, leaf by leaf and in chunks of large leaves.
-
-    Progress is published as the copy goes, so a writer can stream each chunk out as soon as it
-    is staged (:meth:`wait_staged`) instead of waiting for the whole copy (:meth:`wait`).
-    """
-
-    def __init__(self, leaves: list[torch.Tensor], buf: BufferSet) -> None:
-        self._pairs = list(zip(leaves, buf.tensors, strict=True))
-        self._index = {id(t): i for i, t in enumerate(buf.tensors)}
-        self._cond = threading.Condition()
-        self._leaves_done = 0  # leaves copied completely
-        self._bytes_done = 0  # bytes copied of the next leaf
-        self._ended = False
-        self.error: BaseException | None = None
-        self.seconds = 0.0  # how long the copy took (for the save's phase timings)
-
-    def run(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            with torch.no_grad():
-                if any(src.device.type == "cuda" for src, _ in self._pairs):
-                    for src, dst in self._pairs:
-                        dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-                    torch.cuda.synchronize()  # non_blocking device-to-host copies must land first
-                    self._progress(len(self._pairs), 0)
-                else:
-                    for i, (src, dst) in enumerate(self._pairs):
-                        self._copy_leaf(i, src.detach(), dst)
-        except BaseException as e:  # surfaced by the save unit, which fails the step
-            self.error = e
-        finally:
-            self.seconds = time.perf_counter() - t0
-            self._pairs = []
-            with self._cond:
-                self._ended = True
-                self._cond.notify_all()
-
-    def _copy_leaf(self, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        step = max(1, _CHUNK // max(1, dst.element_size()))
-        if not src.is_contiguous() or src.numel() <= step:
-            dst.copy_(src)
-        else:
-            flat_src, flat_dst = src.view(-1), dst.view(-1)
-            for start in range(0, flat_src.numel() - step, step):
-                flat_dst[start : start + step].copy_(flat_src[start : start + step])
-                failpoints.hit("staging_chunk")
-                self._progress(i, (start + step) * dst.element_size())
-            last = (flat_src.numel() - 1) // step * step
-            flat_dst[last:].copy_(flat_src[last:])
-        self._progress(i + 1, 0)
-
-    def _progress(self, leaves: int, nbytes: int) -> None:
-        with self._cond:
-            self._leaves_done, self._bytes_done = leaves, nbytes
-            self._cond.notify_all()
-
-    def join(self) -> None:
-        """Wait for the copy to end, however it ended."""
-        with self._cond:
-            while not self._ended:
-                self._cond.wait()
-
-    def wait(self) -> None:
-        """Wait for the copy to end; raise if it failed."""
-        self.join()
-        self._raise_error()
-
-    def wait_staged(self, buffer: torch.Tensor, nbytes: int) -> None:
-        """Wait until the first ``nbytes`` of ``buffer`` (one of the buffer set's tensors) are
-        staged; a tensor that is not one of them waits for the whole copy. Raise if the copy
-        failed."""
-        i = self._index.get(id(buffer))
-        if i is None:
-            self.wait()
-            return
-        with self._cond:
-            while not self._ended and (self._leaves_done < i or (self._leaves_done == i and self._bytes_done < nbytes)):
-                self._cond.wait()
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self.error is not None:
-            err = self.error
-            raise CheckpointError(f"staging the state failed: {type(err).__name__}: {err}") from err
-
-
 class StagingThread:
     """Runs fenced copies one after another, off the training thread."""
 
@@ -242,7 +151,14 @@ class StagingThread:
 
     def fence(self) -> bool:
         """Wait until every submitted copy has finished; True if any was submitted since the
-        last fence (whether or not it had finished already)."""
+        last fence (whether or not it had finished already).
+
+        The caller does not wait idle: it copies the chunks nobody has claimed yet, from the end
+        of the last copy submitted backwards, while the staging thread goes on from the front."""
+        with self._cond:
+            jobs = ([self._running] if self._running is not None else []) + self._queue
+        for job in reversed(jobs):
+            job.help()
         with self._cond:
             while self._queue or self._running is not None:
                 self._cond.wait()
@@ -288,6 +204,11 @@ class Snapshot:
     def buffers(self) -> BufferSet:
         """The buffer set the state is copied into."""
         return self._buf
+
+    @property
+    def helped_bytes(self) -> int:
+        """Bytes of the copy made by a thread waiting at the fence rather than the staging thread."""
+        return self._copy.helped_bytes
 
     @property
     def copy_seconds(self) -> float:

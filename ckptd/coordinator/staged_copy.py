@@ -119,8 +119,13 @@ class StagedCopy:
                     self._busy += 1
                 try:
                     copied += self._copy_chunk(idx)
-                except BaseException:
+                except BaseException as e:
+                    # The error first, in the same hold of the lock: run() may be waiting for this
+                    # chunk, and must not see it handed back without the error (a failed copy
+                    # would read as a finished one).
                     with self._cond:
+                        if self.error is None:
+                            self.error = e
                         self._busy -= 1
                         self._cond.notify_all()
                     raise

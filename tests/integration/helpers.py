@@ -150,6 +150,16 @@ def actor_gone(handle) -> bool:
     return False
 
 
+def kill_gated_writer(gate: str) -> int:
+    """SIGKILL the writer process that wrote its pid to ``{gate}.waiting`` (a write_fn waiting
+    for the file ``gate``), once it has; its pid."""
+    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
+    with open(f"{gate}.waiting") as f:
+        pid = int(f.read())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 def status(monitor):
     return ray.get(monitor.status.remote())
 

@@ -500,8 +500,10 @@ def _staged_span(monitor, step: int) -> dict:
 def test_a_streamed_saves_staging_phase_is_only_its_wait_for_the_copy(env):
     s, coord = env.s, env.coord()
     delay = 0.3
-    failpoints.arm("staging_chunk", f"delay:{delay}")  # three chunk boundaries: a copy of >= 0.9 s
-    state = {"w": torch.randn(4 * CHUNK // 4)}
+    # Eight chunks, each followed by a sleep on whichever thread copied it: the staging thread
+    # copies from the front and the fence from the back, four each, so a copy of >= 1.2 s.
+    failpoints.arm("staging_chunk", f"delay:{delay}")
+    state = {"w": torch.randn(8 * CHUNK // 4)}
 
     # Step 1: the write starts only after the copy has ended (its lane is busy until then).
     gate = threading.Event()

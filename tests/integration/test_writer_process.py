@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from functools import partial
 
 import pytest
@@ -17,7 +16,7 @@ from ckptd.coordinator.writer_process import in_mode, write_flat
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
-from .helpers import wait_all, wait_for
+from .helpers import kill_gated_writer, wait_all, wait_for
 
 
 def write_with_pid(out: str, gate: str | None, snapshot: dict) -> list:
@@ -77,9 +76,7 @@ def test_a_writer_process_killed_mid_write_fails_that_save_and_the_next_gets_a_n
     gate = str(tmp_path / "gate")
     coord.register(1, checkpoint_thread_count=1)
     coord.save_state_async("optim", {"t": torch.ones(4)}, 1, partial(write_with_pid, coord.step_dir(1), gate))
-    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
-    with open(f"{gate}.waiting") as f:
-        os.kill(int(f.read()), signal.SIGKILL)
+    kill_gated_writer(gate)
     error = wait_all(coord)
     assert error is not None and "writer process of w0 died" in error and "exit code -9" in error
     with pytest.raises(ckptd.CheckpointSaveError):

@@ -24,7 +24,7 @@ from ckptd.coordinator.staging import tensors_of
 from ckptd.storage import Storage
 from ckptd.workers.files import write_torch
 
-from .helpers import wait_all, wait_for
+from .helpers import kill_gated_writer, wait_all, wait_for
 
 # -- what runs in the writer process -------------------------------------------------------------
 
@@ -382,9 +382,7 @@ def test_a_writer_killed_mid_write_commits_nothing_wrong_and_the_next_saves_writ
         model["w"].add_(1.0)
         step_optimizer(optim, lr=0.5 / (step + 1))
         if step == 2:
-            wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
-            with open(f"{gate}.waiting") as f:
-                os.kill(int(f.read()), signal.SIGKILL)
+            kill_gated_writer(gate)
             error = wait_all(coord)
             assert error is not None and "died" in error and "exit code -9" in error
             with pytest.raises(ckptd.CheckpointSaveError):

@@ -389,6 +389,24 @@ class _PreemptedHelper(StagedCopy):
         super()._fail(e)
 
 
+def _start_a_helper_whose_chunk_fails(monkeypatch, copy: StagedCopy, helper: threading.Thread,
+                                      settle_s: float) -> None:
+    """Start ``helper`` (running ``copy.help``) and return once it holds a chunk; that chunk fails
+    ``settle_s`` after every chunk has been claimed (by run(), which then waits for it)."""
+
+    def hit(name):
+        if threading.current_thread() is helper:
+            while copy._front < copy._back:
+                time.sleep(0.0005)
+            time.sleep(settle_s)
+            raise FailpointError("the helper's chunk failed")
+
+    monkeypatch.setattr(staged_copy.failpoints, "hit", hit)
+    helper.start()
+    while copy._busy == 0:
+        time.sleep(0.0002)
+
+
 def test_a_chunk_failing_on_the_helper_while_run_waits_for_it_never_reads_as_success(monkeypatch):
     """The staging thread has claimed every chunk and waits for the helper's; the helper's chunk
     fails. The save must see the failure, whenever the helper gets the CPU back."""
@@ -398,17 +416,7 @@ def test_a_chunk_failing_on_the_helper_while_run_waits_for_it_never_reads_as_suc
     helper = threading.Thread(target=copy.help)
     copy.helper = helper
 
-    def hit(name):
-        if threading.current_thread() is helper:  # the helper's chunk fails once run() waits for it
-            while copy._front < copy._back:
-                time.sleep(0.001)
-            time.sleep(0.1)
-            raise FailpointError("the helper's chunk failed")
-
-    monkeypatch.setattr(staged_copy.failpoints, "hit", hit)
-    helper.start()
-    while copy._busy == 0:
-        time.sleep(0.001)
+    _start_a_helper_whose_chunk_fails(monkeypatch, copy, helper, settle_s=0.1)
     runner = threading.Thread(target=copy.run)
     runner.start()
     outcome: dict[str, object] = {}
@@ -441,17 +449,7 @@ def test_the_helper_failure_race_also_happens_without_instrumenting_the_copy(mon
             copy = StagedCopy(leaves, BufferSet(leaves))
             helper = threading.Thread(target=copy.help)
 
-            def hit(name, copy=copy, helper=helper):
-                if threading.current_thread() is helper:
-                    while copy._front < copy._back:
-                        time.sleep(0.0005)
-                    time.sleep(0.002)
-                    raise FailpointError("x")
-
-            monkeypatch.setattr(staged_copy.failpoints, "hit", hit)
-            helper.start()
-            while copy._busy == 0:
-                time.sleep(0.0002)
+            _start_a_helper_whose_chunk_fails(monkeypatch, copy, helper, settle_s=0.002)
             copy.run()
             helper.join(10)
             with pytest.raises(CheckpointError):

@@ -1,6 +1,7 @@
 """P1 (time training is blocked by a save) and P2 (time until the save is durable), side by side.
 
-Every method saves the same state into a fresh directory of the same filesystem. Each target pair
+Every method saves the same state into a new directory of the same filesystem, and keeps its last
+two saves as ckptd's retention does here (see :meth:`SaveHarness.retire`). Each target pair
 (ckptd against its baseline) runs as interleaved pairs, order alternated (:mod:`bench.stats`),
 after one warm-up save of each that is not counted (ckptd allocates its staging buffers then);
 the other methods are context rows with fewer repetitions.
@@ -12,6 +13,8 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
+from functools import partial
 
 import ray
 import torch
@@ -20,12 +23,16 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 import ckptd
+from ckptd.commit import fsync_path
 from ckptd.direct_io import direct_io_for
 
 from . import breakdown
 from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
 from .stats import interleave
 from .verdicts import Comparison
+
+#: Saves each method keeps: the harness's monitors keep as many checkpoints (retention).
+KEEP = 2
 
 
 def _free_port() -> int:
@@ -43,19 +50,42 @@ class SaveHarness:
         self.dir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=base_dir)
         self.root = os.path.join(self.dir, "ckptd")
         connect_ray()
-        self.monitor = ckptd.start_monitor(self.root, run=f"bench-{label}-{os.getpid()}", max_ckpt_to_keep=2,
-                                           max_state_dict_to_keep=2, **options)
+        self.monitor = ckptd.start_monitor(self.root, run=f"bench-{label}-{os.getpid()}", max_ckpt_to_keep=KEEP,
+                                           max_state_dict_to_keep=KEEP, **options)
         self.coord = ckptd.CheckpointCoordinator(self.monitor, worker_id="bench")
         self.step = 0
+        self._saves: dict[str, int] = {}
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(_free_port())
             dist.init_process_group("gloo", rank=0, world_size=1)
 
-    def fresh(self, name: str) -> str:
-        path = os.path.join(self.dir, name)
-        shutil.rmtree(path, ignore_errors=True)
-        return path
+    def new_dir(self, name: str) -> str:
+        """The path of a new directory (not created) for the next save of method ``name``."""
+        n = self._saves[name] = self._saves.get(name, 0) + 1
+        return os.path.join(self.dir, f"{name}-{n}")
+
+    def retire(self, name: str) -> None:
+        """After a save of ``name``: delete that method's saves older than its last :data:`KEEP`,
+        as the monitor's retention does for ckptd's steps after each commit.
+
+        Deleting the previous save just before writing the next one, as this harness once did,
+        favoured the baseline: its file reused pages freed a moment earlier, while ckptd's went
+        where the allocator put them. On a VM those can be pages the hypervisor has taken back
+        (free page reporting), and the first write to each faults on the host: the same 1 GiB
+        safetensors file on /dev/shm took 0.36 s, or 0.85 to 2.5 s.
+        """
+        n = self._saves.get(name, 0)
+        if n > KEEP:
+            shutil.rmtree(os.path.join(self.dir, f"{name}-{n - KEEP}"), ignore_errors=True)
+
+    def settle(self) -> None:
+        """Let the clean-up of the last save end before the next one is timed: ckptd's retention
+        pass, then a journal commit of the deletions (the harness directory's fsync), so no
+        method's fsync pays for another's deletions, as none would with saves minutes apart."""
+        if not ray.get(self.monitor.wait_retention.remote(timeout_s=600)):
+            raise TimeoutError("the bench monitor's retention pass did not end within 600 s")
+        fsync_path(self.dir)
 
     def next_step(self) -> int:
         self.step += 1
@@ -111,6 +141,7 @@ def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
                 busy_compute(compute_s)  # forward and backward: the copy runs meanwhile
                 blocked += timed(h.coord.before_update)
             h.commit(step)
+            h.settle()
             saved.append(step)
             return blocked
 
@@ -133,7 +164,7 @@ def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     unstaged = Row("P1 blocked", "save_async(lambda: torch.save(sd)), no staging", "s",
                    note=f"context: {context_reps} reps; reads live tensors: torn if training goes on")
     for rep in range(context_reps + 1):
-        path = h.fresh("dcp-async")
+        path = h.new_dir("dcp-async")
         future = None
 
         def start(path=path):
@@ -142,6 +173,7 @@ def p1_blocked(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
 
         blocked = timed(start)
         future.result()
+        h.retire("dcp-async")
         if rep:
             dcp_row.samples.append(blocked)
     for rep in range(context_reps + 1):
@@ -169,40 +201,46 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     saved: list[int] = []
 
     def ckptd_save() -> float:
-        return timed(lambda: h.ckptd_save(sd, "p2", fenced=True, saved=saved))
+        seconds = timed(lambda: h.ckptd_save(sd, "p2", fenced=True, saved=saved))
+        h.settle()
+        return seconds
 
-    def ckptd_eager() -> None:
-        h.ckptd_save(sd, "p2-eager")
+    def ckptd_eager() -> float:
+        seconds = timed(lambda: h.ckptd_save(sd, "p2-eager"))
+        h.settle()
+        return seconds
 
-    def safetensors_save() -> float:
-        path = h.fresh("st")
+    def baseline(name: str, write: Callable[[str], object]) -> Callable[[], float]:
+        """A method that writes into the directory it is given: timed without the deletion of
+        its old saves, as ckptd's retention runs after the commit."""
+        def run() -> float:
+            seconds = timed(partial(write, h.new_dir(name)))
+            h.retire(name)
+            h.settle()
+            return seconds
+
+        return run
+
+    def safetensors_write(path: str) -> None:
         os.makedirs(path)
+        save_file(sd, f"{path}/model.safetensors")
+        fsync_tree(path)
 
-        def save() -> None:
-            save_file(sd, f"{path}/model.safetensors")
-            fsync_tree(path)
-
-        return timed(save)
-
-    def torch_save() -> None:
-        path = h.fresh("pt")
+    def torch_write(path: str) -> None:
         os.makedirs(path)
         torch.save(sd, f"{path}/model.pt")
         fsync_tree(path)
 
-    def dcp_save() -> None:
-        dcp.save(sd, checkpoint_id=h.fresh("dcp"))
-
-    def dcp_async() -> None:
-        dcp.async_save(sd, checkpoint_id=h.fresh("dcp-async")).result()
-
+    safetensors_save = baseline("st", safetensors_write)
     # ckptd's default (direct_io="auto") writes a file this large with O_DIRECT on ext4 and xfs:
     # then a context row shows the same save through the page cache, from a second monitor.
     direct = direct_io_for("auto", os.path.join(h.root, "model.safetensors"), mib * MiB)
     buffered = SaveHarness(h.base_dir, f"{h.label}-buffered", direct_io="off") if direct and context_reps else None
 
-    def ckptd_buffered() -> None:
-        buffered.ckptd_save(sd, "p2-buffered", fenced=True)
+    def ckptd_buffered() -> float:
+        seconds = timed(lambda: buffered.ckptd_save(sd, "p2-buffered", fenced=True))
+        buffered.settle()
+        return seconds
 
     ckptd_save(), safetensors_save()  # warm-up
     saved.clear()
@@ -212,19 +250,23 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     st = Row(scenario, "safetensors.save_file + fsync", "s", b)
     rows = [ck, st]
     context = {"ckptd eager (the copy, then the write)": ckptd_eager,
-               "torch.save + fsync": torch_save, "dcp.save": dcp_save, "dcp.async_save (until done)": dcp_async}
+               "torch.save + fsync": baseline("pt", torch_write),
+               "dcp.save": baseline("dcp", lambda path: dcp.save(sd, checkpoint_id=path)),
+               "dcp.async_save (until done)": baseline(
+                   "dcp-async", lambda path: dcp.async_save(sd, checkpoint_id=path).result())}
     if buffered is not None:
         ckptd_buffered()  # warm-up: its staging buffers
         context = {"ckptd fenced, through the page cache (direct_io='off')": ckptd_buffered, **context}
     for method, fn in context.items():
         row = Row(scenario, method, "s", note=f"context: {context_reps} reps")
-        row.samples = [timed(fn) for _ in range(context_reps)]
+        row.samples = [fn() for _ in range(context_reps)]
         if row.samples:
             rows.append(row)
     if buffered is not None:
         buffered.close(keep_group=True)
     noise = ("disk writeback noise; the RAM run isolates ckptd's overhead" if h.label == "disk"
-             else "CPU and memory-bandwidth noise of a shared machine")
+             else "CPU and memory-bandwidth noise of a shared machine, and on a VM the first writes to "
+                  "memory the hypervisor took back")
     comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise)
     phases = breakdown.Breakdown(f"P2 {h.label} {mib} MiB")
     breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)

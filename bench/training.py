@@ -118,10 +118,11 @@ class _Loop:
         self.blocked += time.perf_counter() - t0
 
     def _save_sync(self) -> None:
-        path = self.h.fresh("p3-sync")
+        path = self.h.new_dir("p3-sync")
         os.makedirs(path)
         torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()}, f"{path}/ckpt.pt")
         fsync_tree(path)
+        self.h.retire("p3-sync")
 
     def block(self, mode: str, steps: int, every: int, saved: list[int] | None = None) -> float:
         """Run ``steps`` steps; return seconds per step. ``mode``: "none", "ckptd" or "sync".

@@ -28,6 +28,7 @@ A synchronous ``torch.save`` + fsync of the same state is a context row (fewer b
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -208,7 +209,7 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
     a, b = interleave(run_ckptd, run_none, pairs)
     ck.samples, base.samples = a, b
     breakdown.collect(h.monitor, saved, loop.coord.worker_id, phases)
-    rows = [base, ck, blocked, net, cpu_base, cpu_ck]
+    rows = [base, ck, blocked, net, cpu_base, cpu_ck, _lost_per_checkpoint(scenario, a, b, steps, every)]
     if sync_blocks:
         sync = Row(scenario, "torch.save + fsync, synchronous", "s/step", note=f"context: {sync_blocks} blocks")
         sync.samples = [loop.block("sync", steps, every) for _ in range(sync_blocks)]
@@ -217,3 +218,17 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
              "narrow the interval")
     comparisons = [Comparison(f"P3 ckptd slowdown % ({variant})", ck, base, percent=True, noise=noise)]
     return rows, comparisons, phases
+
+
+def _lost_per_checkpoint(scenario: str, ckptd: list[float], base: list[float], steps: int, every: int) -> Row:
+    """Training time one checkpoint costs, pair by pair: what the slowdown becomes at another
+    checkpoint interval (the bench checkpoints every few seconds of training, real runs every few
+    minutes, and the cost of a save does not depend on the interval once saves do not overlap)."""
+    saves = -(-steps // every)
+    row = Row(scenario, "training time lost per checkpoint", "s", [
+        (a - b) * steps / saves for a, b in zip(ckptd, base, strict=True)])
+    interval = every * statistics.median(base)
+    row.note = (f"(ckptd block - its paired baseline block) x {steps} steps / {saves} checkpoints; here a "
+                f"checkpoint every {interval:.2g} s of training: at one a minute, {row.median / 60 * 100:.2g} % "
+                f"of training time")
+    return row

@@ -54,6 +54,13 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
                           ("ckptd: training thread CPU time", "ckptd (fenced staging)")):
             assert len(p3[cpu]["samples"]) == len(p3[wall]["samples"]) == 3, (variant, cpu)
             assert all(0 < c <= w * 1.01 for c, w in zip(p3[cpu]["samples"], p3[wall]["samples"], strict=True))
+        # The cost of one checkpoint in training time, pair by pair: what the slowdown becomes at
+        # another interval. Smoke blocks: 4 or 6 steps, a checkpoint every 2 or 3, so 2 per block.
+        lost = p3["training time lost per checkpoint"]
+        ck, base = p3["ckptd (fenced staging)"]["samples"], p3["no checkpointing"]["samples"]
+        steps = 4 if variant == "matmul" else 6
+        assert lost["samples"] == [(a - b) * steps / 2 for a, b in zip(ck, base, strict=True)], (variant, lost)
+        assert "at one a minute" in lost["note"], lost
     # P9: both modes measured on the real monitor through node and zone relays.
     p9 = {r["method"]: r for r in result["rows"] if r["scenario"] == "P9 scale"}
     for mode in ("spread", "burst"):

@@ -115,7 +115,7 @@ class _Loop:
         t0 = time.perf_counter()
         self.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
         self.coord.save_state_async("optim", self.opt.state_dict(), step, partial(write_optim, out), fenced=True)
-        self.coord.register(step, checkpoint_thread_count=2)
+        self.coord.register(step, checkpoint_thread_count=2, wait=False)
         self.blocked += time.perf_counter() - t0
 
     def _save_sync(self) -> None:

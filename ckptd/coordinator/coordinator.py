@@ -201,7 +201,8 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             lane = self._lanes.get(unit.name)
             if lane is None:
                 lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
-        lane.queue.put(Job(unit, save_fn, finish))  # blocks while max_pending units are queued
+        # blocks while max_pending units are queued
+        lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier()))
         self._saw(unit)
 
     def _blocked(self, unit: UnitId, started: float, what: str) -> None:
@@ -223,7 +224,8 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
         self._saw(unit)
         try:
-            err = self._runner.run(Job(unit, save_fn), reraise_interrupts=True)
+            err = self._runner.run(Job(unit, save_fn, registered=self._registration_barrier()),
+                                   reraise_interrupts=True)
         finally:
             self._blocked(unit, started, "save_sync")
         if err is not None:
@@ -232,16 +234,23 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
     def wait_all(self) -> None:
         """Block until every queued and running save of this coordinator has finished.
 
+        It also waits until the registrations made with ``register(..., wait=False)`` were
+        applied by the monitor.
+
         Raises:
             CheckpointSaveError: for the first save that failed since the last wait_all, naming
                 its step, unit and cause, with the original exception chained. Failures are
                 reported once.
+            CheckpointError: a registration sent with ``wait=False`` failed (what ``register``
+                would have raised, or the monitor could not be reached). It is raised before
+                failed saves, which the next wait_all raises.
         """
         with self._lock:
             lanes = list(self._lanes.values())
         for lane in lanes:
             lane.queue.join()
         self._send_timing()
+        self._flush_registrations()
         with self._lock:
             errors, self._errors = self._errors, []
         if not errors:
@@ -255,6 +264,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
 
     def close(self) -> None:
         """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""
+        self._close_registrations()  # first: none can slip in after the wait
         try:
             self.wait_all()
         finally:
@@ -282,6 +292,8 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             self.wait_all()
         except CheckpointSaveError as e:
             log.error("a checkpoint save failed before exit: %s", e)
+        except Exception as e:  # a registration sent with wait=False: at exit, nobody to raise it to
+            log.error("a checkpoint registration failed before exit: %s: %s", type(e).__name__, e)
 
     # -- one unit ------------------------------------------------------------------------------
 

@@ -20,6 +20,10 @@ class Job:
     #: starts (its step already failed) never calls ``save_fn``, and what it holds (a staged
     #: save's buffers) must still be handed back.
     finish: Callable[[], None] | None = None
+    #: Returns once the registrations this coordinator made before the save call (with
+    #: ``wait=False``) were applied: the unit reports itself finished only after, so that a
+    #: step never commits on the counts of fewer registrations than were made before its units.
+    registered: Callable[[], None] | None = None
 
 
 class Lane:

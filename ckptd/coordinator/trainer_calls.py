@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from ckptd import protocol
 from ckptd.config import Kind
+from ckptd.coordinator.registrar import Registrar
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
 from ckptd.units import check_count, check_step
 
@@ -15,6 +19,10 @@ class TrainerCalls:
     """The trainer-side half of :class:`~ckptd.CheckpointCoordinator` (it provides ``_client``)."""
 
     _client: Any
+    _lock: threading.Lock
+    _worker: str
+    _registrar: Registrar | None = None
+    _registrations_closed = False
 
     def register(
         self,
@@ -22,6 +30,8 @@ class TrainerCalls:
         is_state_dict: bool = False,
         state_dict_thread_count: int = 0,
         checkpoint_thread_count: int = 0,
+        *,
+        wait: bool = True,
     ) -> None:
         """Register how many save units step ``global_step`` has, across all workers.
 
@@ -31,13 +41,57 @@ class TrainerCalls:
         so a call that Ray or this coordinator retries counts once. Blocking twin of
         :meth:`register_and_monitor`.
 
+        ``wait=False`` returns once the arguments are checked, and the registration goes to the
+        monitor from a background thread, in order with this coordinator's other registrations:
+        the training thread does not wait for the round trip (15 ms in a GIL-bound loop). The
+        step commits as it would otherwise. What the monitor answers is raised by the next
+        ``register(wait=True)`` (which then does not send its own registration: call it
+        again), :meth:`wait_all`, :meth:`wait_committed` or ``close()``, which first wait until
+        every registration made before them was applied. A save unit this coordinator starts
+        after a ``wait=False`` call reports itself finished only once that registration was
+        applied, so ``register(S, 1, wait=False)`` twice, then two saves, commits S with both
+        units, as blocking calls would. A process that dies before its registration arrived
+        leaves the step uncommitted, never committed short.
+
         Raises:
-            CheckpointConfigError: bad step or counts.
+            CheckpointConfigError: bad step or counts (at once, also with ``wait=False``).
             RegistrationConflictError: it adds units to a step already committed as a checkpoint.
             CheckpointSaveError: the step already failed.
         """
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
+        if not wait:
+            self._background_registrar().submit(args)
+            return
+        self._flush_registrations()
         _raise_for(self._client.call("register", *args))
+
+    def _background_registrar(self) -> Registrar:
+        with self._lock:
+            if self._registrations_closed:
+                raise CheckpointError("this CheckpointCoordinator is closed")
+            if self._registrar is None:
+                self._registrar = Registrar(lambda args: _raise_for(self._client.call("register", *args)),
+                                            f"ckptd-register-{self._worker}")
+            return self._registrar
+
+    def _registration_barrier(self) -> Callable[[], None] | None:
+        """For a save unit started now: waits for the registrations made before it (see
+        :mod:`ckptd.coordinator.registrar`), or None if there are none in flight."""
+        registrar = self._registrar
+        return None if registrar is None else registrar.barrier()
+
+    def _close_registrations(self) -> None:
+        """Refuse registrations with ``wait=False`` from now on; the queued ones still go."""
+        with self._lock:
+            self._registrations_closed = True
+            registrar = self._registrar
+        if registrar is not None:
+            registrar.close()
+
+    def _flush_registrations(self) -> None:
+        """Wait for the registrations sent with ``wait=False``; raise the first that failed."""
+        if self._registrar is not None:
+            self._registrar.flush()
 
     async def register_and_monitor(
         self,
@@ -48,6 +102,8 @@ class TrainerCalls:
     ) -> None:
         """Async form of :meth:`register`; returns once the registration is durable."""
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
+        if self._registrar is not None:
+            await asyncio.to_thread(self._registrar.flush)
         _raise_for(await self._client.call_async("register", *args))
 
     def wait_committed(self, global_step: int, is_state_dict: bool = False, timeout_s: float | None = None) -> None:
@@ -60,6 +116,7 @@ class TrainerCalls:
                 newest commit (deleted by retention before the monitor restarted, or never saved).
         """
         kind = Kind.from_flag(is_state_dict)
+        self._flush_registrations()  # a registration still on its way could be the step's last
         result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s)
         if result["committed"]:
             return

@@ -79,6 +79,9 @@ class UnitRunner:
             with phases.collect() as span.phases:
                 files, found = self._execute(unit, job.save_fn)
                 failpoints.hit("after_unit_write")
+                if job.registered is not None:
+                    # Before the receipt: a restarted monitor counts a unit finished from it.
+                    job.registered()
                 with phases.phase(phases.RECEIPT):
                     protocol.write_finished(self._storage, self._attempt, unit, files, found)
             self._ended(unit, span)

@@ -21,8 +21,9 @@ class Job:
     #: save's buffers) must still be handed back.
     finish: Callable[[], None] | None = None
     #: Returns once the registrations this coordinator made before the save call (with
-    #: ``wait=False``) were applied: the unit reports itself finished only after, so that a
-    #: step never commits on the counts of fewer registrations than were made before its units.
+    #: ``wait=False``) were applied: the unit writes its finished receipt only after (with writer
+    #: slots, it starts only after), so that a step never commits on the counts of fewer
+    #: registrations than were made before its units.
     registered: Callable[[], None] | None = None
 
 

@@ -10,7 +10,8 @@ registration can go in the background as long as two orders are kept:
   finished (its receipt, then its notification) before that registration was applied
   (:meth:`Registrar.barrier`). Otherwise ``register(S, 1); register(S, 1); save(a)`` could
   commit S with one unit: ``a`` finishing while the second registration is still queued meets
-  a count of one.
+  a count of one. The unit writes meanwhile; with writer slots (a throttling save strategy) it
+  waits before it asks for one instead, so that it never holds a slot other writers wait for.
 
 What the monitor answers (an error) is kept and raised by the caller's next ``register``,
 ``wait_all``, ``wait_committed`` or ``close``, which also wait until every registration made

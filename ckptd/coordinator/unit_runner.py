@@ -65,6 +65,14 @@ class UnitRunner:
         slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
         span = _Span(time.time())
         t0 = time.perf_counter()
+        # The registrations this coordinator made before the unit (register(wait=False)) must be
+        # applied before its finished receipt, from which a restarted monitor counts it. With
+        # writer slots it waits before taking one (a slot held meanwhile would hold up other
+        # writers); without, it writes meanwhile (its staging buffers go back when the write
+        # ends) and waits just before the receipt.
+        registered_first = job.registered is not None and self._strategy is not SaveStrategy.UNRESTRICTED
+        if registered_first:
+            job.registered()
         try:
             self._start(unit, slot)
         except _Refused as e:
@@ -79,8 +87,7 @@ class UnitRunner:
             with phases.collect() as span.phases:
                 files, found = self._execute(unit, job.save_fn)
                 failpoints.hit("after_unit_write")
-                if job.registered is not None:
-                    # Before the receipt: a restarted monitor counts a unit finished from it.
+                if job.registered is not None and not registered_first:
                     job.registered()
                 with phases.phase(phases.RECEIPT):
                     protocol.write_finished(self._storage, self._attempt, unit, files, found)

@@ -1,0 +1,406 @@
+"""A helper's second attack on the registration barrier of ``register(..., wait=False)`` (session 17b).
+
+A save unit a coordinator starts after a background registration reports itself finished (receipt,
+then notification) only once that registration was applied (``Registrar.barrier``). These tests hold
+the registrar deterministically (a commit of step 1 held in ``before_manifest`` for 3 s, and a
+wait=False registration of step 1 queued behind it: the monitor answers it only after the commit)
+and check, in every path that makes units, that the barrier neither deadlocks nor lets a step commit
+short, that it orders only its own coordinator and the units made after the registration, that a
+failed registration releases it, and that monitor restarts and back-pressure combine with it.
+It found one bug, fixed since: with writer slots (a throttling save strategy) a unit took its slot
+and then waited at the barrier after its write, holding up other writers; it now waits before it
+asks for a slot.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+
+import pytest
+import ray
+import torch
+
+import ckptd
+from ckptd.config import Kind
+
+from .helpers import arm_in_monitor, read_manifest, restart_monitor, status, wait_for, weights, write_step_file
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+CKPT = Kind.CHECKPOINT
+HOLD_STEP = 1
+
+
+def _files(root: str, step: int, kind: Kind = CKPT) -> list[str] | None:
+    m = read_manifest(root, step, kind)
+    return None if m is None else sorted(f.path for f in m.files)
+
+
+def _held(monitor) -> bool:
+    """Whether the registrar is still held: the commit of HOLD_STEP is in flight, so the wait=False
+    registration of that step queued by :func:`_hold_registrar` has not been answered yet."""
+    s = status(monitor).step(HOLD_STEP)
+    return s is not None and s.state.value == "committing"
+
+
+def _hold_registrar(coord, monitor, root: str) -> None:
+    """Hold ``coord``'s registrar for about 3 s: every wait=False registration made after this
+    is applied only once the commit of HOLD_STEP ends."""
+    arm_in_monitor(monitor, "before_manifest", "delay:3")
+    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
+    coord.register(HOLD_STEP, checkpoint_thread_count=1)
+    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
+    arm_in_monitor(monitor, "before_manifest", None)
+    coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended
+
+
+def _finished(monitor, step: int, kind: Kind = CKPT) -> list[str]:
+    s = status(monitor).step(step, kind)
+    return [] if s is None else list(s.finished)
+
+
+def _receipts(root: str, step: int) -> dict[str, list[str]]:
+    """The unit receipts and registration records on disk for ``step`` (every attempt): status ->
+    unit names, and "reg" -> registration files."""
+    out: dict[str, list[str]] = {"reg": []}
+    for path in glob.glob(f"{root}/.ckptd/pending/*/{step}/*.json"):
+        name = os.path.basename(path)
+        if name.startswith("reg-"):
+            out["reg"].append(name)
+        elif name.startswith("unit-"):
+            try:
+                with open(path) as f:
+                    body = json.load(f)
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue  # replaced meanwhile
+            out.setdefault(body["status"], []).append(body["unit"]["name"])
+    return out
+
+
+def _in_thread(fn, timeout_s: float = 20.0):
+    """Run ``fn`` in a daemon thread; ('ok', value), ('raised', exc) or ('hung', None) after timeout_s."""
+    box: list = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box.append(("raised", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0] if box else ("hung", None)
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in weights(step).items()}
+
+
+# -- 1. every path that makes units: no deadlock, no short commit --------------------------------
+
+
+def test_every_thread_path_waits_for_earlier_registrations_and_before_update_does_not(make_monitor, tmp_path):
+    """save_state_async fenced (streamed) and eager, save_async and save_sync, all after four
+    background registrations of step 5: none reports itself finished while the registrations are
+    held, before_update returns meanwhile, and the step commits with all four units."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    _hold_registrar(coord, monitor, root)
+    for _ in range(4):
+        coord.register(5, checkpoint_thread_count=1, wait=False)
+    wrote = threading.Event()
+    coord.save_state_async("fenced", _state(5), 5, fenced=True)
+    coord.before_update()  # the fence waits for the copy only, never for the registrations
+    assert _held(monitor), "before_update waited for the held registrations"
+    coord.save_state_async("eager", _state(5), 5)
+    coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
+    wait_for(wrote.is_set, what="a.bin to be written")
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "eager.safetensors")),
+             what="the eager snapshot to be written")
+    assert _held(monitor)
+    assert _finished(monitor, 5) == [] and "finished" not in _receipts(root, 5)
+    coord.save_sync(lambda: write_step_file(root, 5, "sync.bin"), 5)  # returns once its barrier passed
+    s = status(monitor).step(5)
+    assert s.expected == 4 and "sync" in " ".join(s.finished)
+    coord.wait_all()
+    coord.wait_committed(5, timeout_s=30)
+    assert _files(root, 5) == ["a.bin", "eager.safetensors", "fenced.safetensors", "sync.bin"]
+    assert len(read_manifest(root, 5, CKPT).registrations) == 4
+    coord.close()
+
+
+def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wproc", writer="process", max_staged=1)
+    _hold_registrar(coord, monitor, root)
+    coord.register(5, checkpoint_thread_count=1, wait=False)
+    coord.register(5, checkpoint_thread_count=1, wait=False)
+    coord.register(6, checkpoint_thread_count=1, wait=False)
+    coord.save_state_async("model", _state(5), 5, fenced=True)
+    coord.before_update()
+    coord.save_state_async("optim", _state(5), 5)
+    # max_staged=1: the next save of "model" needs the buffers of the first, handed back when its
+    # write ended, not when its barrier passed.
+    assert _in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
+    assert _held(monitor), "a staged save of the writer process waited for the held registrations"
+    assert _finished(monitor, 5) == [] and _finished(monitor, 6) == []
+    coord.wait_all()
+    coord.wait_committed(6, timeout_s=30)
+    assert _files(root, 5) == ["model.safetensors", "optim.safetensors"]
+    assert _files(root, 6) == ["model.safetensors"]
+    for step in (5, 6):
+        ckptd.verify(root, step)
+    coord.close()
+
+
+@ray.remote(num_cpus=0)
+class _ActorCoordinator:
+    """A training worker whose coordinator lives in a Ray actor."""
+
+    def __init__(self, run: str, root: str) -> None:
+        self.root = root
+        self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id="actor")
+
+    def register_bg(self, step: int, count: int) -> None:
+        self.coord.register(step, checkpoint_thread_count=count, wait=False)
+
+    def save(self, step: int, name: str) -> None:
+        self.coord.save_async(name, lambda: write_step_file(self.root, step, f"{name}.bin"), step)
+
+    def save_sync(self, step: int, name: str) -> None:
+        self.coord.save_sync(lambda: write_step_file(self.root, step, f"{name}.bin"), step)
+
+    def wait_all(self) -> None:
+        self.coord.wait_all()
+
+    def close(self) -> None:
+        self.coord.close()
+
+
+def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations(make_monitor, tmp_path, run_name):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    actor = _ActorCoordinator.remote(run_name, root)
+    driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
+    arm_in_monitor(monitor, "before_manifest", "delay:3")
+    driver.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
+    driver.register(HOLD_STEP, checkpoint_thread_count=1)
+    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
+    arm_in_monitor(monitor, "before_manifest", None)
+    ray.get(actor.register_bg.remote(HOLD_STEP, 0))  # the actor's registrar is held now
+    ray.get(actor.register_bg.remote(5, 1))
+    ray.get(actor.register_bg.remote(5, 1))
+    ray.get(actor.save.remote(5, "a"))
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "a.bin")), what="a.bin")
+    assert _held(monitor) and _finished(monitor, 5) == []
+    ray.get(actor.wait_all.remote(), timeout=30)
+    s = status(monitor).step(5)
+    assert (s.expected, len(s.finished), s.committed) == (2, 1, False)  # never committed short
+    ray.get(actor.save_sync.remote(5, "b"), timeout=30)
+    driver.wait_committed(5, timeout_s=30)
+    assert _files(root, 5) == ["a.bin", "b.bin"]
+    ray.get(actor.close.remote(), timeout=30)
+    ray.kill(actor)
+    driver.close()
+
+
+# -- 2. the barrier orders only this coordinator, and only the units after it ----------------------
+
+
+def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    a = ckptd.CheckpointCoordinator(monitor, worker_id="ca")
+    b = ckptd.CheckpointCoordinator(monitor, worker_id="cb")  # same process: one shared notifier
+    _hold_registrar(a, monitor, root)
+    a.register(8, checkpoint_thread_count=1, wait=False)
+    a.save_async("a", lambda: write_step_file(root, 8, "a.bin"), 8)
+    # b, with background registrations of its own, saves and commits while a's are held.
+    b.register(9, checkpoint_thread_count=1, wait=False)
+    b.register(9, checkpoint_thread_count=1, wait=False)
+    b.save_async("b1", lambda: write_step_file(root, 9, "b1.bin"), 9)
+    b.save_sync(lambda: write_step_file(root, 9, "b2.bin"), 9)
+    b.wait_committed(9, timeout_s=30)
+    assert _held(monitor), "coordinator b waited for coordinator a's registrations"
+    assert _finished(monitor, 8) == []
+    assert _files(root, 9) == ["b1.bin", "b2.bin"]
+    a.wait_all()
+    a.wait_committed(8, timeout_s=30)
+    assert _files(root, 8) == ["a.bin"]
+    a.close()
+    b.close()
+
+
+def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(7, checkpoint_thread_count=1)
+    gate = threading.Event()
+
+    def early():
+        assert gate.wait(20), "the gate was never opened"
+        write_step_file(root, 7, "early.bin")
+
+    coord.save_async("early", early, 7)  # before any wait=False registration
+    _hold_registrar(coord, monitor, root)
+    coord.register(8, checkpoint_thread_count=1, wait=False)
+    coord.save_async("late", lambda: write_step_file(root, 8, "late.bin"), 8)
+    gate.set()
+    coord.wait_committed(7, timeout_s=30)  # a blocking call: also waits for the held registrations
+    wait_for(lambda: _finished(monitor, 7), timeout_s=1, what="the early unit")
+    # The early unit finished (and its step committed) before the commit of step 1 let the
+    # registrations go; wait_committed itself only returned after.
+    s7 = status(monitor).step(7)
+    assert s7.committed and s7.committed_at < status(monitor).step(HOLD_STEP).committed_at
+    coord.wait_all()
+    coord.wait_committed(8, timeout_s=30)
+    s8 = status(monitor).step(8)
+    assert s8.committed_at >= status(monitor).step(HOLD_STEP).committed_at
+    assert _files(root, 7) == ["early.bin"] and _files(root, 8) == ["late.bin"]
+    coord.close()
+
+
+def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_up_other_writers(
+        make_monitor, tmp_path):
+    """single_thread: one writer slot for the run. A unit of coordinator a waiting for a's held
+    registrations must not hold the slot, so coordinator b's unit gets it and its step commits
+    meanwhile. (Found by this attack: the unit used to take the slot first and wait after its
+    write, holding the slot until its finished notification. With writer slots it now waits for
+    the registrations before it asks for a slot.)"""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, save_strategy="single_thread")
+    a = ckptd.CheckpointCoordinator(monitor, worker_id="ta")
+    b = ckptd.CheckpointCoordinator(monitor, worker_id="tb")
+    _hold_registrar(a, monitor, root)
+    wrote = threading.Event()
+    a.register(8, checkpoint_thread_count=1, wait=False)
+    a.save_async("a", lambda: (write_step_file(root, 8, "a.bin"), wrote.set()) and None, 8)
+    b.register(9, checkpoint_thread_count=1)
+    b.save_async("b", lambda: write_step_file(root, 9, "b.bin"), 9)
+    b.wait_committed(9, timeout_s=30)
+    written_while_held = wrote.is_set()
+    held = _held(monitor)
+    a.wait_all()
+    a.wait_committed(8, timeout_s=30)
+    assert _files(root, 8) == ["a.bin"] and _files(root, 9) == ["b.bin"]
+    a.close()
+    b.close()
+    assert held, "coordinator b's unit waited for coordinator a's registrations (for the writer slot)"
+    assert not written_while_held, "with writer slots, a unit starts only once its registrations arrived"
+
+
+# -- 3. a failed registration releases the barrier -------------------------------------------------
+
+
+def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_commits_whole(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    arm_in_monitor(monitor, "before_manifest", "delay:3")
+    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
+    coord.register(HOLD_STEP, checkpoint_thread_count=1)
+    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
+    arm_in_monitor(monitor, "before_manifest", None)
+    coord.register(HOLD_STEP, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
+    coord.register(5, checkpoint_thread_count=2, wait=False)
+    coord.save_async("a", lambda: write_step_file(root, 5, "a.bin"), 5)
+    coord.save_async("b", lambda: write_step_file(root, 5, "b.bin"), 5)
+    result = _in_thread(coord.wait_all)
+    assert result[0] == "raised" and isinstance(result[1], ckptd.RegistrationConflictError), result
+    assert _in_thread(coord.wait_all)[0] == "ok"  # raised once; both units ended
+    coord.wait_committed(5, timeout_s=30)
+    assert _files(root, 5) == ["a.bin", "b.bin"] and _files(root, HOLD_STEP) == ["hold.bin"]
+    coord.close()
+
+
+def test_a_monitor_gone_for_good_releases_the_barrier_and_the_waiting_unit_ends_failed(make_monitor, tmp_path):
+    """The registrations the unit waits for fail (the monitor is unreachable past notify_timeout_s):
+    the unit ends, its receipt says failed (no later monitor of this attempt could count it), and
+    no call hangs."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wgone", notify_timeout_s=0.5)
+    _hold_registrar(coord, monitor, root)
+    wrote = threading.Event()
+    coord.register(5, checkpoint_thread_count=1, wait=False)
+    coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
+    assert wrote.wait(20)
+    assert _held(monitor) and "finished" not in _receipts(root, 5)
+    ray.kill(monitor, no_restart=True)
+    first = _in_thread(coord.wait_all)
+    assert first[0] == "raised" and isinstance(first[1], ray.exceptions.RayActorError), first
+    second = _in_thread(coord.wait_all)
+    assert second[0] == "raised" and isinstance(second[1], ckptd.CheckpointSaveError), second
+    assert _receipts(root, 5).get("failed") == ["a"] and "finished" not in _receipts(root, 5)
+    assert ckptd.latest_step(root) is None
+    assert _in_thread(coord.close)[0] in ("ok", "raised")
+
+
+# -- 4. monitor restarts while units wait on the barrier --------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["sigkill", "ray.kill"])
+def test_a_monitor_restart_while_units_wait_on_the_barrier_never_commits_short(make_monitor, tmp_path, how):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    _hold_registrar(coord, monitor, root)
+    wrote = threading.Event()
+    coord.register(5, checkpoint_thread_count=1, wait=False)
+    coord.register(5, checkpoint_thread_count=1, wait=False)
+    coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
+    assert wrote.wait(20)
+    # What a restarted monitor reads: the unit is still running, and no registration of step 5.
+    on_disk = _receipts(root, 5)
+    assert _held(monitor) and on_disk == {"reg": [], "started": ["a"]}, on_disk
+    restart_monitor(monitor, how=how)  # the held registration is retried on the new monitor
+    coord.wait_all()
+    s = status(monitor).step(5)
+    assert (s.expected, len(s.finished), s.committed) == (2, 1, False)
+    assert ckptd.latest_step(root) == HOLD_STEP
+    coord.save_sync(lambda: write_step_file(root, 5, "b.bin"), 5)
+    coord.wait_committed(5, timeout_s=30)
+    assert _files(root, 5) == ["a.bin", "b.bin"]
+    assert len(read_manifest(root, 5, CKPT).registrations) == 2
+    assert _files(root, HOLD_STEP) == ["hold.bin"]
+    coord.close()
+
+
+# -- 5. back-pressure with the barrier ----------------------------------------------------------
+
+
+def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wbp", max_pending=1, max_staged=1)
+    _hold_registrar(coord, monitor, root)
+    coord.register(5, checkpoint_thread_count=3, wait=False)
+    coord.register(6, checkpoint_thread_count=2, wait=False)
+    done = threading.Event()
+
+    def training():
+        for name in ("m0", "m1", "m2"):  # one lane: running (at its barrier), queued, then blocked
+            coord.save_async("m", lambda name=name: write_step_file(root, 5, f"{name}.bin"), 5)
+        coord.save_state_async("s", _state(6), 6)
+        coord.save_async("m", lambda: write_step_file(root, 6, "m3.bin"), 6)
+        done.set()
+
+    worker = threading.Thread(target=training, daemon=True)
+    worker.start()
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "m0.bin")), what="m0.bin")
+    # m0 waits at its barrier, so the third save of the lane cannot have returned yet.
+    assert _held(monitor) and not done.is_set()
+    worker.join(20)
+    assert done.is_set(), "the training thread stayed blocked after the registrations were applied"
+    coord.wait_all()
+    coord.wait_committed(6, timeout_s=30)
+    assert _files(root, 5) == ["m0.bin", "m1.bin", "m2.bin"]
+    assert _files(root, 6) == ["m3.bin", "s.safetensors"]
+    coord.close()

@@ -384,3 +384,19 @@ def run_bench_smoke(tmp_path, only: str) -> tuple[subprocess.CompletedProcess, d
     result = json.loads(out.read_text())
     assert all(r["samples"] and r["min"] <= r["median"] <= r["max"] for r in result["rows"])
     return proc, result
+
+
+def in_thread(fn, timeout_s: float = 20.0):
+    """Run ``fn`` in a daemon thread; ('ok', value), ('raised', exc) or ('hung', None) after timeout_s."""
+    box: list = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box.append(("raised", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0] if box else ("hung", None)

@@ -25,6 +25,7 @@ from .helpers import (
     REPO,
     arm_in_monitor,
     disk_full,
+    in_thread,
     read_manifest,
     restart_monitor,
     status,
@@ -58,22 +59,6 @@ def _snapshot(root: str, steps: list[int]) -> dict[str, bytes | None]:
 
 def _registrar_threads(worker: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"ckptd-register-{worker}"]
-
-
-def _in_thread(fn, timeout_s: float = 20.0):
-    """Run ``fn`` in a daemon thread; ('ok', value), ('raised', exc) or ('hung', None) after timeout_s."""
-    box: list = []
-
-    def run():
-        try:
-            box.append(("ok", fn()))
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            box.append(("raised", e))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return box[0] if box else ("hung", None)
 
 
 # -- 1. a step commits whole, counts once ------------------------------------------------------
@@ -253,7 +238,7 @@ def test_a_background_failure_is_raised_by_close_and_the_thread_stops(make_monit
     assert _snapshot(root, [1]) == before
     with pytest.raises(ckptd.CheckpointError, match="closed"):
         coord.register(2, checkpoint_thread_count=1, wait=False)
-    assert _in_thread(coord.wait_all)[0] == "ok"  # raised once: nothing left, and no hang
+    assert in_thread(coord.wait_all)[0] == "ok"  # raised once: nothing left, and no hang
 
 
 def test_close_loses_no_save_failure_when_a_background_registration_also_failed(make_monitor, tmp_path, caplog):
@@ -326,7 +311,7 @@ def test_one_background_failure_is_raised_by_exactly_one_of_two_concurrent_wait_
         return coord.wait_all()
 
     results = [None, None]
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _in_thread(both))) for i in range(2)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, in_thread(both))) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -462,7 +447,7 @@ def test_close_applies_every_queued_registration_then_refuses_new_ones(make_moni
     wait_for(lambda: not _registrar_threads("wq"), what="the registrar thread to stop")
     with pytest.raises(ckptd.CheckpointError, match="closed"):
         coord.register(40, checkpoint_thread_count=1, wait=False)
-    assert _in_thread(coord.close)[0] == "ok"  # a second close neither hangs nor raises
+    assert in_thread(coord.close)[0] == "ok"  # a second close neither hangs nor raises
     coord_check.close()
 
 

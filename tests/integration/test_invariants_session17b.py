@@ -26,7 +26,16 @@ import torch
 import ckptd
 from ckptd.config import Kind
 
-from .helpers import arm_in_monitor, read_manifest, restart_monitor, status, wait_for, weights, write_step_file
+from .helpers import (
+    arm_in_monitor,
+    in_thread,
+    read_manifest,
+    restart_monitor,
+    status,
+    wait_for,
+    weights,
+    write_step_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -80,22 +89,6 @@ def _receipts(root: str, step: int) -> dict[str, list[str]]:
     return out
 
 
-def _in_thread(fn, timeout_s: float = 20.0):
-    """Run ``fn`` in a daemon thread; ('ok', value), ('raised', exc) or ('hung', None) after timeout_s."""
-    box: list = []
-
-    def run():
-        try:
-            box.append(("ok", fn()))
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            box.append(("raised", e))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return box[0] if box else ("hung", None)
-
-
 def _state(step: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in weights(step).items()}
 
@@ -147,7 +140,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_moni
     coord.save_state_async("optim", _state(5), 5)
     # max_staged=1: the next save of "model" needs the buffers of the first, handed back when its
     # write ended, not when its barrier passed.
-    assert _in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
+    assert in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
     assert _held(monitor), "a staged save of the writer process waited for the held registrations"
     assert _finished(monitor, 5) == [] and _finished(monitor, 6) == []
     coord.wait_all()
@@ -312,9 +305,9 @@ def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_comm
     coord.register(5, checkpoint_thread_count=2, wait=False)
     coord.save_async("a", lambda: write_step_file(root, 5, "a.bin"), 5)
     coord.save_async("b", lambda: write_step_file(root, 5, "b.bin"), 5)
-    result = _in_thread(coord.wait_all)
+    result = in_thread(coord.wait_all)
     assert result[0] == "raised" and isinstance(result[1], ckptd.RegistrationConflictError), result
-    assert _in_thread(coord.wait_all)[0] == "ok"  # raised once; both units ended
+    assert in_thread(coord.wait_all)[0] == "ok"  # raised once; both units ended
     coord.wait_committed(5, timeout_s=30)
     assert _files(root, 5) == ["a.bin", "b.bin"] and _files(root, HOLD_STEP) == ["hold.bin"]
     coord.close()
@@ -334,13 +327,13 @@ def test_a_monitor_gone_for_good_releases_the_barrier_and_the_waiting_unit_ends_
     assert wrote.wait(20)
     assert _held(monitor) and "finished" not in _receipts(root, 5)
     ray.kill(monitor, no_restart=True)
-    first = _in_thread(coord.wait_all)
+    first = in_thread(coord.wait_all)
     assert first[0] == "raised" and isinstance(first[1], ray.exceptions.RayActorError), first
-    second = _in_thread(coord.wait_all)
+    second = in_thread(coord.wait_all)
     assert second[0] == "raised" and isinstance(second[1], ckptd.CheckpointSaveError), second
     assert _receipts(root, 5).get("failed") == ["a"] and "finished" not in _receipts(root, 5)
     assert ckptd.latest_step(root) is None
-    assert _in_thread(coord.close)[0] in ("ok", "raised")
+    assert in_thread(coord.close)[0] in ("ok", "raised")
 
 
 # -- 4. monitor restarts while units wait on the barrier --------------------------------------------

@@ -4,32 +4,20 @@ next blocking call."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import ray
 from ray.exceptions import RayActorError
 
 import ckptd
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS
 
-from .helpers import status
+from .helpers import read_manifest, status, write_step_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-def _write(root: str, step: int, name: str) -> None:
-    d = ckptd.step_dir(root, step)
-    os.makedirs(d, exist_ok=True)
-    with open(f"{d}/{name}", "wb") as f:
-        f.write(name.encode() * 100)
-
-
 def _manifest_files(root: str, step: int) -> set[str]:
-    with open(f"{ckptd.step_dir(root, step)}/{MANIFESTS[Kind.CHECKPOINT]}") as f:
-        return {e["path"] for e in json.load(f)["files"]}
+    return {f.path for f in read_manifest(root, step, Kind.CHECKPOINT).files}
 
 
 def test_background_registrations_add_up_and_the_step_commits_whole(make_monitor, tmp_path):
@@ -41,13 +29,13 @@ def test_background_registrations_add_up_and_the_step_commits_whole(make_monitor
     # Trinity's additive registrations, both in the background: the step expects two units.
     coord.register(3, checkpoint_thread_count=1, wait=False)
     coord.register(3, checkpoint_thread_count=1, wait=False)
-    coord.save_async("model", lambda: _write(root, 3, "model.bin"), 3)
+    coord.save_async("model", lambda: write_step_file(root, 3, "model.bin"), 3)
     coord.wait_all()
     # Both registrations were applied before wait_all returned; one unit of two has finished.
     s = status(monitor).step(3)
     assert (s.expected, len(s.finished), s.committed) == (2, 1, False)
     assert ckptd.latest_step(root) is None
-    coord.save_async("optim", lambda: _write(root, 3, "optim.bin"), 3)
+    coord.save_async("optim", lambda: write_step_file(root, 3, "optim.bin"), 3)
     coord.wait_committed(3, timeout_s=60)
     assert ckptd.latest_step(root) == 3
     assert _manifest_files(root, 3) == {"model.bin", "optim.bin"}
@@ -60,7 +48,7 @@ def test_a_refused_background_registration_is_raised_once_by_wait_all(make_monit
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 1, "model.bin"), 1)
+    coord.save_async("model", lambda: write_step_file(root, 1, "model.bin"), 1)
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=60)
     before = _manifest_files(root, 1)
@@ -75,7 +63,7 @@ def test_a_refused_background_registration_is_raised_once_by_wait_all(make_monit
     coord.register(1, checkpoint_thread_count=1, wait=False)
     with pytest.raises(ckptd.RegistrationConflictError):
         coord.register(2, checkpoint_thread_count=1)
-    coord.save_async("model", lambda: _write(root, 2, "model.bin"), 2)
+    coord.save_async("model", lambda: write_step_file(root, 2, "model.bin"), 2)
     coord.register(2, checkpoint_thread_count=1)  # not sent above: the refusal came first
     coord.wait_committed(2, timeout_s=60)
     assert status(monitor).step(2).expected == 1
@@ -98,7 +86,7 @@ def test_a_background_registration_racing_a_monitor_restart_counts_once(make_mon
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: _write(root, 4, "model.bin"), 4)
+    coord.save_async("model", lambda: write_step_file(root, 4, "model.bin"), 4)
     coord.wait_all()
     ray.kill(monitor, no_restart=False)  # Ray restarts it; the call is retried until it answers
     coord.register(4, checkpoint_thread_count=1, wait=False)

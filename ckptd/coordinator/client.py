@@ -14,6 +14,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ckptd.coordinator.notifier import Notifier
+from ckptd.errors import CheckpointError
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import actor_name
 
@@ -58,15 +59,18 @@ class MonitorClient:
         self._timeout_s = timeout_s
         self._run: str | None = None
         self._namespace: str | None = None
+        self._attempt: int | None = None
         self._lock = threading.Lock()
         self._notifier: Notifier | None = None
         self._relay: RelayRoute | None = None
         self.metrics = RunMetrics(None)
 
-    def bind(self, run: str, namespace: str | None) -> None:
+    def bind(self, run: str, namespace: str | None, attempt: int | None = None) -> None:
         """The run (and namespace) to re-attach to when the handle stops working; retries are
-        counted in that run's metrics from now on."""
-        self._run, self._namespace = run, namespace
+        counted in that run's metrics from now on. With ``attempt``, only a monitor of that
+        attempt is re-attached to (Ray's restart of the same monitor keeps it; a new
+        ``start_monitor`` opens the next one)."""
+        self._run, self._namespace, self._attempt = run, namespace, attempt
         self.metrics = RunMetrics(run)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -129,9 +133,27 @@ class MonitorClient:
             self._handle.notify_batch.remote([event])
 
     def _reattach(self) -> None:
+        """Look the monitor up again by its run's name.
+
+        Raises:
+            CheckpointError: the monitor now under that name belongs to a later attempt (a new
+                job on the root): what this coordinator saves or registers must not count there,
+                as its receipts and registrations belong to the attempt it was created in.
+        """
         if self._run is None:
             return
         try:
-            self._handle = ray.get_actor(actor_name(self._run), namespace=self._namespace)
+            handle = ray.get_actor(actor_name(self._run), namespace=self._namespace)
         except ValueError:
-            pass  # not re-created (yet); keep retrying the old handle until the deadline
+            return  # not re-created (yet); keep retrying the old handle until the deadline
+        if self._attempt is not None:
+            try:
+                attempt = ray.get(handle.ping.remote())["attempt"]
+            except RayActorError:
+                return  # not answering yet: tried again at the next retry
+            if attempt != self._attempt:
+                raise CheckpointError(
+                    f"the monitor of run {self._run!r} was started again as attempt {attempt} (a new job), "
+                    f"and this coordinator belongs to attempt {self._attempt}: its saves and registrations "
+                    "cannot count in the new job. Create a new CheckpointCoordinator for it.")
+        self._handle = handle

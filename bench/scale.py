@@ -31,6 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import ray
 
@@ -46,18 +47,18 @@ RANKS_PER_NODE = 8
 class NodeSimulator:
     """Simulates the ranks of several nodes, each node with its own relay."""
 
-    def __init__(self, run: str, namespace: str | None, ranks: list[int], units: int, zones: list[int],
-                 seed: int) -> None:
+    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, ranks: list[int], units: int,
+                 zones: list[int], seed: int) -> None:
         self.ranks, self.units = ranks, units
         self.rng = random.Random(seed)
         # Zone relays send to the monitor (real Ray calls); node relays to their zone's.
-        self.zones = {z: RelayCore(run, namespace, 600.0) for z in zones}
+        self.zones = {z: RelayCore(run, namespace, attempt, monitor, 600.0) for z in zones}
         self.relays: dict[int, RelayCore] = {}
         for rank in ranks:
             node = rank // RANKS_PER_NODE
             if node not in self.relays:
                 zone = self.zones[zones[node % len(zones)]]
-                self.relays[node] = RelayCore(run, namespace, 600.0, upstream=zone.relay)
+                self.relays[node] = RelayCore(run, namespace, attempt, monitor, 600.0, upstream=zone.relay)
 
     async def prepare(self, step_dir: str) -> None:
         """Create this step's empty files (each unit's output)."""
@@ -120,7 +121,8 @@ def p9_scale(base_dir: str | None, ranks: int, units: int, steps: int, write_s: 
     for i in range(simulators):
         mine = list(range(i * per * RANKS_PER_NODE, min(ranks, (i + 1) * per * RANKS_PER_NODE)))
         if mine:
-            sims.append(NodeSimulator.remote(run, namespace, mine, units, list(range(i, zones, simulators)), seed=i))
+            sims.append(NodeSimulator.remote(run, namespace, driver._attempt, monitor, mine, units,
+                                             list(range(i, zones, simulators)), seed=i))
     rows: list[Row] = []
     note = (f"{ranks} ranks x {units} units, {nodes} node relays -> {zones} zone relays -> monitor, "
             f"on {len(sims)} simulator processes, {steps} steps per mode")

@@ -48,9 +48,11 @@ def actor_name(run: str) -> str:
     return f"ckptd-monitor-{run}"
 
 
-def relay_name(run: str, node_id: str) -> str:
-    """The Ray actor name of the notification relay of ``run`` on one node (``node_relay=True``)."""
-    return f"ckptd-relay-{run}-{node_id}"
+def relay_name(run: str, attempt: int, where: str) -> str:
+    """The Ray actor name of the notification relay of ``run``'s ``attempt`` on one node (``where``
+    is its node id) or of one zone (``zone{N}``), with ``node_relay=True``. A relay carries one
+    attempt's reports only: a new job on the run starts its own."""
+    return f"ckptd-relay-{run}-a{attempt}-{where}"
 
 
 # -- ids -----------------------------------------------------------------------------------------

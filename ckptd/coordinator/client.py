@@ -106,8 +106,9 @@ class MonitorClient:
         and ``relay_zones``) from now on; needs :meth:`bind` first."""
         from ckptd.coordinator.relay import RelayRoute  # the relay imports this module
 
-        assert self._run is not None, "bind() first"
-        self._relay = RelayRoute(self._run, self._namespace, node_id, self._timeout_s, self.metrics, zones)
+        assert self._run is not None and self._attempt is not None, "bind() with the attempt first"
+        self._relay = RelayRoute(self._run, self._namespace, self._attempt, self._handle, node_id, self._timeout_s,
+                                 self.metrics, zones)
 
     def notify(self, event: tuple) -> Any:
         """Deliver one notification (batched with those of this process's other save threads,

@@ -11,6 +11,11 @@ applied them. A relay that dies mid-batch (its node's process that created it en
 killed) fails the calls of that batch; each coordinator sends its events again, through a new
 relay, and the monitor, which counts every unit once by its id, applies a retried event as it
 applied the first (see :mod:`ckptd.monitor.unit_reports`).
+
+Nor may it carry one job's reports to another job's monitor. A relay belongs to one attempt of
+its run (its actor name says which) and forwards to that attempt's monitor only: when that monitor
+is gone and a new job has started one under the same run name, it refuses to re-attach, as a
+coordinator's own calls do (``MonitorClient._reattach``), and the old job's coordinators are told.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ckptd import failpoints
 from ckptd.coordinator.client import MonitorClient
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
-from ckptd.protocol import actor_name, relay_name
+from ckptd.protocol import relay_name
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -102,21 +107,24 @@ class RelayCore:
     passes the next core's :meth:`relay`.
 
     Args:
-        run, namespace: The run (its monitor is found by name, again after it restarts).
+        run, namespace: The run (its monitor is found by name again after it restarts).
+        attempt: The run's attempt whose reports this relay carries: it forwards to a monitor
+            of that attempt only.
+        monitor: That attempt's monitor (the handle the coordinators were given).
         timeout_s: How long a batch is retried while upstream is unreachable.
         zone: Forward through the zone relay with this number instead of to the monitor.
         upstream: Forward to this instead (for a load generator).
     """
 
-    def __init__(self, run: str, namespace: str | None, timeout_s: float, zone: int | None = None,
-                 upstream: Callable[[list], Awaitable[list]] | None = None) -> None:
+    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, timeout_s: float,
+                 zone: int | None = None, upstream: Callable[[list], Awaitable[list]] | None = None) -> None:
         if upstream is None and zone is not None:
-            route = _Route(partial(start_relay, run, namespace, f"zone{zone}", timeout_s), timeout_s,
-                           RunMetrics(run), run)
+            route = _Route(partial(start_relay, run, namespace, attempt, monitor, f"zone{zone}", timeout_s),
+                           timeout_s, RunMetrics(run), run)
             upstream = route.send_async
         if upstream is None:
-            client = MonitorClient(ray.get_actor(actor_name(run), namespace=namespace), timeout_s)
-            client.bind(run, namespace)
+            client = MonitorClient(monitor, timeout_s)
+            client.bind(run, namespace, attempt)
             upstream = partial(client.call_async, "notify_batch")
         self._upstream = upstream
         self._sender = GroupSender(self._forward)
@@ -141,8 +149,9 @@ class NodeRelay:
     """A relay actor: of one node, or of one zone of nodes (see :class:`RelayCore` for the
     arguments)."""
 
-    def __init__(self, run: str, namespace: str | None, timeout_s: float, zone: int | None = None) -> None:
-        self._core = RelayCore(run, namespace, timeout_s, zone)
+    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, timeout_s: float,
+                 zone: int | None = None) -> None:
+        self._core = RelayCore(run, namespace, attempt, monitor, timeout_s, zone)
 
     async def relay(self, events: list) -> list:
         return await self._core.relay(events)
@@ -163,10 +172,11 @@ def zone_of(node_id: str, zones: int) -> int:
     return zlib.crc32(node_id.encode()) % zones
 
 
-def start_relay(run: str, namespace: str | None, where: str, timeout_s: float, zone: int | None = None,
-                node_id: str | None = None) -> Any:
-    """The relay of ``run`` named ``where`` (a node id, or ``zone{N}``): the running one, or a
-    new one, on ``node_id`` if given, sending through zone ``zone`` if given.
+def start_relay(run: str, namespace: str | None, attempt: int, monitor: Any, where: str, timeout_s: float,
+                zone: int | None = None, node_id: str | None = None) -> Any:
+    """The relay of ``run``'s ``attempt`` named ``where`` (a node id, or ``zone{N}``): the running
+    one, or a new one, on ``node_id`` if given, sending through zone ``zone`` if given, else to
+    ``monitor`` (that attempt's).
 
     A relay is owned by the process that started it and ends with it; whoever needs it next
     starts another. Failpoints armed through the environment reach it too.
@@ -175,9 +185,9 @@ def start_relay(run: str, namespace: str | None, where: str, timeout_s: float, z
     placement = {} if node_id is None else {
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
     return NodeRelay.options(
-        name=relay_name(run, where), namespace=namespace, get_if_exists=True, max_concurrency=4096,
+        name=relay_name(run, attempt, where), namespace=namespace, get_if_exists=True, max_concurrency=4096,
         runtime_env={"env_vars": env} if env else None, **placement,
-    ).remote(run, namespace, timeout_s, zone)
+    ).remote(run, namespace, attempt, monitor, timeout_s, zone)
 
 
 class _Route:
@@ -235,10 +245,10 @@ class RelayRoute(_Route):
     """A coordinator's way to the monitor: through its node's relay (and that relay's zone relay
     when ``zones`` > 0)."""
 
-    def __init__(self, run: str, namespace: str | None, node_id: str, timeout_s: float,
-                 metrics: RunMetrics, zones: int = 0) -> None:
+    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, node_id: str,
+                 timeout_s: float, metrics: RunMetrics, zones: int = 0) -> None:
         zone = zone_of(node_id, zones) if zones else None
-        super().__init__(partial(start_relay, run, namespace, node_id, timeout_s, zone, node_id),
+        super().__init__(partial(start_relay, run, namespace, attempt, monitor, node_id, timeout_s, zone, node_id),
                          timeout_s, metrics, run)
 
     def post(self, events: list) -> None:

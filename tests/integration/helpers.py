@@ -400,3 +400,20 @@ def in_thread(fn, timeout_s: float = 20.0):
     t.start()
     t.join(timeout_s)
     return box[0] if box else ("hung", None)
+
+
+class Gate:
+    """A save_fn that is admitted, then waits for :meth:`open` before it writes its file."""
+
+    def __init__(self, root: str, step: int, name: str) -> None:
+        self.root, self.step, self.name = root, step, name
+        self.entered = threading.Event()
+        self._open = threading.Event()
+
+    def __call__(self) -> list[str]:
+        self.entered.set()
+        assert self._open.wait(60)
+        return write_step_file(self.root, self.step, self.name)
+
+    def open(self) -> None:
+        self._open.set()

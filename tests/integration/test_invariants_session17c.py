@@ -20,6 +20,7 @@ import ckptd
 from ckptd.config import Kind
 
 from .helpers import (
+    Gate,
     actor_gone,
     arm_in_monitor,
     assert_trackers_verified,
@@ -75,23 +76,6 @@ def _hold_registrar(coord, monitor, root: str) -> None:
     wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
     arm_in_monitor(monitor, "before_manifest", None)
     coord.register(HOLD_STEP, wait=False)
-
-
-class Gate:
-    """A save_fn that is admitted, then waits for :meth:`open` before it writes its file."""
-
-    def __init__(self, root: str, step: int, name: str) -> None:
-        self.root, self.step, self.name = root, step, name
-        self.entered = threading.Event()
-        self._open = threading.Event()
-
-    def __call__(self) -> list[str]:
-        self.entered.set()
-        assert self._open.wait(60)
-        return write_step_file(self.root, self.step, self.name)
-
-    def open(self) -> None:
-        self._open.set()
 
 
 # -- 2. a failed step never commits: restarts ------------------------------------------------------

@@ -14,7 +14,7 @@ from ckptd.layout import MANIFESTS
 from ckptd.manifest import Manifest
 from ckptd.protocol import relay_name
 
-from .helpers import status, wait_all
+from .helpers import Gate, actor_gone, assert_trackers_verified, in_thread, status, wait_all, wait_for, write_step_file
 
 WORKERS, UNITS = 3, 2
 
@@ -42,9 +42,9 @@ def _manifest_units(root: str, step: int) -> list[str]:
         return sorted(Manifest.model_validate_json(f.read()).units)
 
 
-def _relay(run: str):
-    node = ray.get_runtime_context().get_node_id()
-    return ray.get_actor(relay_name(run, node))
+def _relay(run: str, coord: ckptd.CheckpointCoordinator, where: str | None = None):
+    """The relay ``coord``'s reports go through: its node's, or the one named ``where``."""
+    return ray.get_actor(relay_name(run, coord._attempt, where or ray.get_runtime_context().get_node_id()))
 
 
 def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_monitor, tmp_path, run_name):
@@ -57,9 +57,9 @@ def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_
     coords[0].wait_committed(1, timeout_s=60)
     assert len(_manifest_units(root, 1)) == WORKERS * UNITS
     # Every started and finished notification reached the monitor through the relay.
-    assert ray.get(_relay(run_name).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
+    assert ray.get(_relay(run_name, coords[0]).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
     with pytest.raises(ValueError):  # no zone relays unless asked for
-        ray.get_actor(relay_name(run_name, "zone0"))
+        _relay(run_name, coords[0], "zone0")
 
     # The monitor's refusal comes back through the relay: step 1 is committed.
     coords[1].save_async("late", lambda: None, 1)
@@ -103,9 +103,9 @@ def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_mo
     coords[0].wait_committed(2, timeout_s=60)
     assert len(_manifest_units(root, 2)) == WORKERS * UNITS
     if zones:  # step 2 went through the zone relay that replaced the dead one, not around it
-        zone = ray.get(ray.get_actor(relay_name(run_name, "zone0")).stats.remote())
+        zone = ray.get(_relay(run_name, coords[0], "zone0").stats.remote())
         assert zone["forwarded"] >= 2 * WORKERS * UNITS
-        assert zone["pid"] != ray.get(_relay(run_name).stats.remote())["pid"]
+        assert zone["pid"] != ray.get(_relay(run_name, coords[0]).stats.remote())["pid"]
     for coord in coords:
         coord.close()
 
@@ -113,3 +113,37 @@ def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_mo
 def test_zone_relays_need_node_relays(make_monitor):
     with pytest.raises(ckptd.CheckpointConfigError, match="relay_zones needs node_relay=True"):
         make_monitor(relay_zones=4)
+
+
+def test_a_relay_never_carries_an_old_jobs_report_to_a_new_jobs_monitor(make_monitor, tmp_path, run_name):
+    """Job 1's monitor is gone and job 2 starts one under the same run name, on the same root,
+    while a coordinator of job 1 is still writing a unit of step 5 (its process outlived the job).
+    Job 2 registers step 5 with two units and saves one. The old unit's report, sent through a
+    node relay, must not count as job 2's second unit: the direct path refuses to re-attach to a
+    monitor of another attempt, and a relay must not forward to one either."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, node_relay=True)
+    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=60.0)
+    old.register(5, checkpoint_thread_count=1)
+    gate = Gate(root, 5, "late.bin")
+    old.save_async("late", gate, 5)
+    assert gate.entered.wait(20)  # admitted by job 1's monitor, through the relay
+    ray.kill(monitor, no_restart=True)
+    wait_for(lambda: actor_gone(monitor), what="job 1's monitor to be gone")
+    monitor2 = make_monitor(root, node_relay=True)  # job 2: the same run name, a new attempt
+    new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1")
+    assert new._attempt != old._attempt
+    new.register(5, checkpoint_thread_count=2)
+    new.save_sync(lambda: write_step_file(root, 5, "mine.bin"), 5)
+    gate.open()
+    error = wait_all(old)
+    assert error is not None and f"attempt {old._attempt}" in error, error
+    result = in_thread(lambda: new.wait_committed(5, timeout_s=3), 30)
+    assert result[0] == "raised", result  # one of its two units: step 5 of job 2 must not commit
+    new.save_sync(lambda: write_step_file(root, 5, "mine2.bin"), 5)
+    new.wait_committed(5, timeout_s=30)
+    saved_by = [u.split("#")[0] for u in _manifest_units(root, 5) if "#" in u]  # not the files outside units
+    assert saved_by == ["w1/sync", "w1/sync"], saved_by
+    assert assert_trackers_verified(root)[ckptd.Kind.CHECKPOINT] == 5
+    new.close()
+    old.close()

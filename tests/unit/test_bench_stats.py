@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.stats import RatioEstimate, Verdict, bootstrap_ratio, interleave, verdict
+from bench.stats import RatioEstimate, Verdict, bootstrap_quantile, bootstrap_ratio, interleave, verdict
 
 
 def test_pairs_alternate_which_method_runs_first():
@@ -50,3 +50,23 @@ def test_verdicts_at_the_bounds_and_bad_input():
         bootstrap_ratio([1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="> 0"):
         bootstrap_ratio([1.0], [0.0])
+
+
+def test_a_high_percentile_of_few_samples_is_met_only_when_its_slowest_samples_are_within_the_target():
+    """The p99 of 50 commits is their slowest two: all fast is met; one slow commit is not a
+    result either way (inconclusive); a slow tail of several is missed."""
+    rng = random.Random(1)
+    fast = [rng.uniform(10, 40) for _ in range(50)]
+    met = bootstrap_quantile(fast, 0.99)
+    assert met.n == 50 and met.low <= met.value <= met.high <= max(fast)
+    assert verdict(met, at_most=100) is Verdict.MET
+    one_slow = bootstrap_quantile(fast[:-1] + [145.0], 0.99)
+    assert one_slow.low < 100 < one_slow.high and verdict(one_slow, at_most=100) is Verdict.INCONCLUSIVE
+    tail = bootstrap_quantile(fast[:-5] + [150.0, 160.0, 170.0, 180.0, 190.0], 0.99)
+    assert verdict(tail, at_most=100) is Verdict.MISSED
+    median = bootstrap_quantile(fast, 0.5)
+    assert min(fast) < median.low < median.value < median.high < max(fast)
+    with pytest.raises(ValueError):
+        bootstrap_quantile([], 0.5)
+    with pytest.raises(ValueError):
+        bootstrap_quantile([1.0], 1.5)

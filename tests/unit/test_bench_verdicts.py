@@ -61,3 +61,22 @@ def test_qualified_target_names_find_their_limit_and_direction():
     assert checks["P4 notifications per second (disk)"]["verdict"] == "missed"
     assert checks["P4 notifications per second (RAM)"]["verdict"] == "met"
     assert "| P4 notifications per second (disk) | 1.5e+03 | – | ≥ 2000 |" in targets_table(checks, [])
+
+
+def test_commit_latency_percentiles_are_judged_by_their_interval_over_the_steps():
+    """P4's p50 and p99 come from every step's latency with a bootstrap interval, like the paired
+    targets: a p99 that one slow commit decides is inconclusive, with the reason, not missed."""
+    fast = [0.010 + 0.0002 * i for i in range(49)]
+    rows = [Row("P4 monitor (disk)", "commit latency, each step", "s", fast + [0.145]),
+            Row("P4 monitor (RAM)", "commit latency, each step", "s", fast + [0.030])]
+    checks = single_checks(rows)
+    p99 = checks["P4 commit latency p99 (ms) (disk)"]
+    assert p99["verdict"] == "inconclusive" and p99["low"] < 100 < p99["high"] and p99["n"] == 50
+    assert "straddles 100" in p99["note"] and "more steps" in p99["note"]
+    assert checks["P4 commit latency p99 (ms) (RAM)"]["verdict"] == "met"
+    assert checks["P4 commit latency p50 (ms) (disk)"]["verdict"] == "met"
+    assert checks["P4 commit latency p50 (ms) (disk)"]["high"] <= 20
+    table = targets_table(checks, [])
+    assert "| P4 commit latency p99 (ms) (disk) |" in table and "| ≤ 100 | 50 samples | inconclusive |" in table
+    smoke = single_checks(rows, smoke=True)["P4 commit latency p99 (ms) (RAM)"]
+    assert (smoke["verdict"], smoke["note"]) == ("inconclusive", "smoke run: tiny sizes")

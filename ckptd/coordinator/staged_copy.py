@@ -146,6 +146,14 @@ class StagedCopy:
         failpoints.hit("staging_chunk")
         return (stop - start) * dst.element_size()
 
+    def abandon(self, e: BaseException) -> None:
+        """Fail the copy with ``e`` unless it has ended: its fence was left early (``e``, an
+        interrupt), so the sources may change under the chunks still being copied."""
+        with self._cond:
+            if not self._ended and self.error is None:
+                self.error = e
+            self._cond.notify_all()
+
     def _fail(self, e: BaseException) -> None:
         with self._cond:
             if self.error is None:

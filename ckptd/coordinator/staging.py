@@ -154,15 +154,24 @@ class StagingThread:
         last fence (whether or not it had finished already).
 
         The caller does not wait idle: it copies the chunks nobody has claimed yet, from the end
-        of the last copy submitted backwards, while the staging thread goes on from the front."""
+        of the last copy submitted backwards, while the staging thread goes on from the front.
+
+        Left early (Ctrl-C raises ``KeyboardInterrupt`` here), the fence fails every copy that had
+        not ended, and re-raises: the caller may go on and change the sources, so those saves
+        cannot vouch for what they stage."""
         with self._cond:
             jobs = ([self._running] if self._running is not None else []) + self._queue
-        for job in reversed(jobs):
-            job.help()
-        with self._cond:
-            while self._queue or self._running is not None:
-                self._cond.wait()
-            fenced, self._since_fence = self._since_fence > 0, 0
+        try:
+            for job in reversed(jobs):
+                job.help()
+            with self._cond:
+                while self._queue or self._running is not None:
+                    self._cond.wait()
+                fenced, self._since_fence = self._since_fence > 0, 0
+        except BaseException as e:
+            for job in jobs:
+                job.abandon(e)
+            raise
         return fenced
 
     def _loop(self) -> None:

@@ -11,6 +11,7 @@ mismatched sizes, so that small states give hundreds of chunks and many interlea
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -456,3 +457,56 @@ def test_the_helper_failure_race_also_happens_without_instrumenting_the_copy(mon
                 copy.wait()
     finally:
         sys.setswitchinterval(old)
+
+
+def test_a_keyboard_interrupt_while_the_fence_waits_fails_the_copies_it_did_not_wait_for(small_chunks, monkeypatch):
+    """Ctrl-C after the fence has claimed every chunk it can, while it waits for the staging
+    thread's chunk in progress: the fence is left before the copy ended, so a loop that catches
+    the interrupt and steps the optimizer could change a chunk as it is copied. The save must
+    fail rather than commit what it cannot vouch for. The interrupt is a real SIGINT to this
+    thread, sent by the staging thread from inside its chunk (handled while it lasts: xdist's
+    workers ignore SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    area = StagingArea(1, "attack-stage-sigint")
+    state = {"big": torch.randn(30 * (small_chunks // 4))}
+    main = threading.main_thread().ident
+    inside, sent = threading.Event(), threading.Event()
+
+    def hit(name):
+        if threading.current_thread().name != "attack-stage-sigint" or sent.is_set():
+            return  # the fence's thread, or another test's staging thread still running
+        inside.set()
+        job = snap._copy
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the fence has claimed the rest: it can only wait now
+            with job._cond:
+                if job._front >= job._back and job._busy == 1:
+                    break
+            time.sleep(0.001)
+        sent.set()
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.2)  # the chunk is still being copied while the fence is left
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(staged_copy.failpoints, "hit", hit)
+        snap = area.snapshot("m", state, tensors_of(state), fenced=True)
+        assert inside.wait(10), "the staging thread never copied a chunk"
+        with pytest.raises(KeyboardInterrupt):
+            area.fence()
+            time.sleep(5)  # a signal that arrived just after the fence returned lands here
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sent.is_set()
+    with pytest.raises(CheckpointError, match="KeyboardInterrupt"):
+        snap.wait()
+    monkeypatch.setattr(staged_copy.failpoints, "hit", lambda name: None)
+    area.fence()
+    snap.release()
+    expected = _clone_bits(state)
+    again = area.snapshot("m", state, tensors_of(state), fenced=True)
+    area.fence()
+    _mutate(state)
+    again.wait()
+    _assert_staged(again.state, expected)

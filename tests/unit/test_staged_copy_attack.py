@@ -342,6 +342,17 @@ def test_a_failing_chunk_fails_only_chunked_saves_and_the_next_saves_reuse_the_b
         s.release()
 
 
+def _assert_the_next_save_stages_exactly(area: StagingArea, state: dict) -> None:
+    """After an interrupted save: the next fenced save of the name stages the sources exactly."""
+    expected = _clone_bits(state)
+    again = area.snapshot("m", state, tensors_of(state), fenced=True)
+    area.fence()
+    _mutate(state)
+    again.wait()
+    _assert_staged(again.state, expected)
+    again.release()
+
+
 def test_a_keyboard_interrupt_while_the_fence_copies_is_raised_and_fails_only_that_save(small_chunks, monkeypatch):
     """Ctrl-C while the training thread copies a chunk at the fence: raised there, and only that
     save fails. The interrupt is raised from the chunk's hook on the fence's thread (not by a
@@ -368,13 +379,7 @@ def test_a_keyboard_interrupt_while_the_fence_copies_is_raised_and_fails_only_th
     done = threading.Event()
     threading.Thread(target=lambda: (area.fence(), snap.release(), done.set()), daemon=True).start()
     assert done.wait(10), "the staging thread or the buffers stayed held after the interrupt"
-    expected = _clone_bits(state)
-    again = area.snapshot("m", state, tensors_of(state), fenced=True)
-    area.fence()
-    _mutate(state)
-    again.wait()
-    _assert_staged(again.state, expected)
-    again.release()
+    _assert_the_next_save_stages_exactly(area, state)
 
 
 class _PreemptedHelper(StagedCopy):
@@ -504,9 +509,4 @@ def test_a_keyboard_interrupt_while_the_fence_waits_fails_the_copies_it_did_not_
     monkeypatch.setattr(staged_copy.failpoints, "hit", lambda name: None)
     area.fence()
     snap.release()
-    expected = _clone_bits(state)
-    again = area.snapshot("m", state, tensors_of(state), fenced=True)
-    area.fence()
-    _mutate(state)
-    again.wait()
-    _assert_staged(again.state, expected)
+    _assert_the_next_save_stages_exactly(area, state)

@@ -216,7 +216,13 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
         rows.append(sync)
     noise = ("the save's threads and the training loop share 2 cores; more pairs or longer blocks "
              "narrow the interval")
-    comparisons = [Comparison(f"P3 ckptd slowdown % ({variant})", ck, base, percent=True, noise=noise)]
+    in_calls = blocked.median / base.median * 100
+    cpu = (cpu_ck.median / cpu_base.median - 1) * 100
+    detail = (f"of a step, the training thread spends {in_calls:.1f} % in ckptd calls (the save calls and the "
+              f"fence, which waits for the part of the staging copy not done when the optimizer step comes) and "
+              f"{cpu:+.1f} % in CPU time; the rest is waiting for the GIL or a core")
+    comparisons = [Comparison(f"P3 ckptd slowdown % ({variant})", ck, base, percent=True, noise=noise,
+                              detail=detail)]
     return rows, comparisons, phases
 
 

@@ -26,6 +26,8 @@ class Comparison:
         b: The baseline's samples, paired with ``a`` (same index, same moment).
         percent: The target is a slowdown in percent, ``(ratio - 1) * 100``.
         noise: What makes this comparison noisy, for an inconclusive verdict's reason.
+        detail: Where the difference goes, from the scenario's other rows: added to the reason
+            of a verdict that is not met.
     """
 
     target: str
@@ -33,6 +35,7 @@ class Comparison:
     b: Row
     percent: bool = False
     noise: str = ""
+    detail: str = ""
 
 
 def _show(value: float, percent: bool) -> str:
@@ -59,6 +62,8 @@ def judge(c: Comparison, limit: float, *, smoke: bool = False) -> dict:
             reason += f": {c.noise}"
         if est.pairs < MIN_PAIRS:
             reason += f" (only {est.pairs} pairs: use --pairs {MIN_PAIRS} or more)"
+    if v is not Verdict.MET and not smoke and c.detail:
+        reason = f"{reason}; {c.detail}" if reason else c.detail
     out = {
         "value": (est.ratio - 1) * 100 if c.percent else est.ratio,
         "low": (est.low - 1) * 100 if c.percent else est.low,

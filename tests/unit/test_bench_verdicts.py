@@ -27,6 +27,9 @@ def test_clear_results_are_met_or_missed_and_a_smoke_run_never_is():
     a, b = _pair([0.5 + i * 0.001 for i in range(9)], [1.0] * 9)
     c = Comparison("P1 eager blocked / memcpy", a, b)
     assert judge(c, limit_of(c.target))["verdict"] == "met" and judge(c, 0.4)["verdict"] == "missed"
+    # Where the difference goes is said with a verdict that is not met, and only then.
+    c.detail = "of a step, 4.5 % in ckptd calls"
+    assert judge(c, 0.4)["reason"] == c.detail and judge(c, limit_of(c.target))["reason"] == ""
     assert judge(c, 1.2)["reason"] == ""
     smoke = judge(c, 1.2, smoke=True)
     assert (smoke["verdict"], smoke["reason"]) == ("inconclusive", "smoke run: tiny sizes and few pairs")

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 import ckptd
 from ckptd.commit import fsync_path
 from ckptd.direct_io import direct_io_for
+from ckptd.phases import COMMIT, NOTIFICATION, RECEIPT, TRACKERS, WRITE
 
 from . import breakdown
 from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
@@ -267,7 +268,12 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
     noise = ("disk writeback noise; the RAM run isolates ckptd's overhead" if h.label == "disk"
              else "CPU and memory-bandwidth noise of a shared machine, and on a VM the first writes to "
                   "memory the hypervisor took back")
-    comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise)
     phases = breakdown.Breakdown(f"P2 {h.label} {mib} MiB")
     breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)
+    protocol = sum(phases.median_ms(p) for p in (RECEIPT, NOTIFICATION, COMMIT, TRACKERS))
+    detail = (f"ckptd's write phase took {phases.median_ms(WRITE):.3g} ms (median) against "
+              f"{st.median * 1000:.3g} ms for safetensors' whole save, and its receipt, notification, commit and "
+              f"trackers {protocol:.3g} ms more") if phases.steps else ""
+    comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise,
+                            detail=detail)
     return rows, [comparison], phases

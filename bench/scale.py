@@ -50,7 +50,7 @@ EACH_STEP = "commit latency after the last unit, each step"
 class NodeSimulator:
     """Simulates the ranks of several nodes, each node with its own relay."""
 
-    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, ranks: list[int], units: int,
+    def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, ranks: list[int], units: int,
                  zones: list[int], seed: int) -> None:
         self.ranks, self.units = ranks, units
         self.rng = random.Random(seed)
@@ -124,7 +124,7 @@ def p9_scale(base_dir: str | None, ranks: int, units: int, steps: int, write_s: 
     for i in range(simulators):
         mine = list(range(i * per * RANKS_PER_NODE, min(ranks, (i + 1) * per * RANKS_PER_NODE)))
         if mine:
-            sims.append(NodeSimulator.remote(run, namespace, driver._attempt, monitor, mine, units,
+            sims.append(NodeSimulator.remote(run, namespace, driver._attempt_id, monitor, mine, units,
                                              list(range(i, zones, simulators)), seed=i))
     rows: list[Row] = []
     note = (f"{ranks} ranks x {units} units, {nodes} node relays -> {zones} zone relays -> monitor, "

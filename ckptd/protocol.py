@@ -21,6 +21,7 @@ user-chosen names, so two units can never share a receipt.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -48,8 +49,21 @@ def actor_name(run: str) -> str:
     return f"ckptd-monitor-{run}"
 
 
-def relay_name(run: str, attempt: int, where: str) -> str:
-    """The Ray actor name of the notification relay of ``run``'s ``attempt`` on one node (``where``
+def attempt_id(attempt: int, root_url: str) -> str:
+    """Which job a monitor serves, across roots: its attempt number on its root (a Ray restart of
+    the same monitor keeps both) and a digest of the root. Attempt numbers alone repeat: the
+    first job on every root is attempt 1, and two roots may host jobs of the same run name."""
+    return f"{attempt}-{hashlib.sha256(root_url.encode()).hexdigest()[:12]}"
+
+
+def describe_attempt(attempt_id: str) -> str:
+    """How an error names an :func:`attempt_id`: ``attempt N`` (of a root known by its digest)."""
+    number, _, digest = attempt_id.partition("-")
+    return f"attempt {number} (of the root with digest {digest})"
+
+
+def relay_name(run: str, attempt: str, where: str) -> str:
+    """The Ray actor name of the notification relay of ``run``'s attempt (its :func:`attempt_id`) on one node (``where``
     is its node id) or of one zone (``zone{N}``), with ``node_relay=True``. A relay carries one
     attempt's reports only: a new job on the run starts its own."""
     return f"ckptd-relay-{run}-a{attempt}-{where}"

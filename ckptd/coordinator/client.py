@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError
 from ckptd.coordinator.notifier import Notifier
 from ckptd.errors import CheckpointError
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
-from ckptd.protocol import actor_name
+from ckptd.protocol import actor_name, describe_attempt
 
 if TYPE_CHECKING:
     from ckptd.coordinator.relay import RelayRoute
@@ -59,18 +59,21 @@ class MonitorClient:
         self._timeout_s = timeout_s
         self._run: str | None = None
         self._namespace: str | None = None
-        self._attempt: int | None = None
+        self._attempt: str | None = None
+        self._attempt_label: str | None = None
         self._lock = threading.Lock()
         self._notifier: Notifier | None = None
         self._relay: RelayRoute | None = None
         self.metrics = RunMetrics(None)
 
-    def bind(self, run: str, namespace: str | None, attempt: int | None = None) -> None:
+    def bind(self, run: str, namespace: str | None, attempt: str | None = None, label: str | None = None) -> None:
         """The run (and namespace) to re-attach to when the handle stops working; retries are
-        counted in that run's metrics from now on. With ``attempt``, only a monitor of that
-        attempt is re-attached to (Ray's restart of the same monitor keeps it; a new
-        ``start_monitor`` opens the next one)."""
+        counted in that run's metrics from now on. With ``attempt`` (the monitor's
+        ``attempt_id``), only a monitor of that attempt of that root is re-attached to (Ray's
+        restart of the same monitor keeps it; a new ``start_monitor`` opens another one, on
+        the same root or another). ``label`` names that attempt in errors."""
         self._run, self._namespace, self._attempt = run, namespace, attempt
+        self._attempt_label = label or (describe_attempt(attempt) if attempt else None)
         self.metrics = RunMetrics(run)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -137,9 +140,10 @@ class MonitorClient:
         """Look the monitor up again by its run's name.
 
         Raises:
-            CheckpointError: the monitor now under that name belongs to a later attempt (a new
-                job on the root): what this coordinator saves or registers must not count there,
-                as its receipts and registrations belong to the attempt it was created in.
+            CheckpointError: the monitor now under that name belongs to another attempt (a new
+                job, on the same root or another): what this coordinator saves or registers must
+                not count there, as its receipts and registrations belong to the attempt it was
+                created in.
         """
         if self._run is None:
             return
@@ -149,12 +153,13 @@ class MonitorClient:
             return  # not re-created (yet); keep retrying the old handle until the deadline
         if self._attempt is not None:
             try:
-                attempt = ray.get(handle.ping.remote())["attempt"]
+                now = ray.get(handle.ping.remote())
             except RayActorError:
                 return  # not answering yet: tried again at the next retry
-            if attempt != self._attempt:
+            if now.get("attempt_id") != self._attempt:
                 raise CheckpointError(
-                    f"the monitor of run {self._run!r} was started again as attempt {attempt} (a new job), "
-                    f"and this coordinator belongs to attempt {self._attempt}: its saves and registrations "
-                    "cannot count in the new job. Create a new CheckpointCoordinator for it.")
+                    f"the monitor of run {self._run!r} was started again, as attempt {now['attempt']} of root "
+                    f"{now['root']!r} (a new job), and this coordinator belongs to {self._attempt_label}: "
+                    "its saves and registrations cannot count in the new job. Create a new CheckpointCoordinator "
+                    "for it.")
         self._handle = handle

@@ -100,7 +100,9 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         cfg = self._client.call("worker_config")
         self._run = cfg["run"]
         self._attempt = int(cfg["attempt"])
-        self._client.bind(cfg["run"], cfg.get("namespace"), self._attempt)
+        self._attempt_id = str(cfg["attempt_id"])
+        self._client.bind(cfg["run"], cfg.get("namespace"), self._attempt_id,
+                          f"attempt {self._attempt} of root {cfg['root']!r}")
         self._root_url = cfg["root"]
         self._storage = Storage(cfg["root"], cfg["storage_options"], cfg["options"].get("direct_io", "auto"))
         self._template = StepDirTemplate(cfg["step_dir_template"])

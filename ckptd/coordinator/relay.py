@@ -108,15 +108,15 @@ class RelayCore:
 
     Args:
         run, namespace: The run (its monitor is found by name again after it restarts).
-        attempt: The run's attempt whose reports this relay carries: it forwards to a monitor
-            of that attempt only.
+        attempt: The attempt whose reports this relay carries (its monitor's ``attempt_id``,
+            which names the root too): it forwards to a monitor of that attempt only.
         monitor: That attempt's monitor (the handle the coordinators were given).
         timeout_s: How long a batch is retried while upstream is unreachable.
         zone: Forward through the zone relay with this number instead of to the monitor.
         upstream: Forward to this instead (for a load generator).
     """
 
-    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, timeout_s: float,
+    def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, timeout_s: float,
                  zone: int | None = None, upstream: Callable[[list], Awaitable[list]] | None = None) -> None:
         if upstream is None and zone is not None:
             route = _Route(partial(start_relay, run, namespace, attempt, monitor, f"zone{zone}", timeout_s),
@@ -149,7 +149,7 @@ class NodeRelay:
     """A relay actor: of one node, or of one zone of nodes (see :class:`RelayCore` for the
     arguments)."""
 
-    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, timeout_s: float,
+    def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, timeout_s: float,
                  zone: int | None = None) -> None:
         self._core = RelayCore(run, namespace, attempt, monitor, timeout_s, zone)
 
@@ -172,7 +172,7 @@ def zone_of(node_id: str, zones: int) -> int:
     return zlib.crc32(node_id.encode()) % zones
 
 
-def start_relay(run: str, namespace: str | None, attempt: int, monitor: Any, where: str, timeout_s: float,
+def start_relay(run: str, namespace: str | None, attempt: str, monitor: Any, where: str, timeout_s: float,
                 zone: int | None = None, node_id: str | None = None) -> Any:
     """The relay of ``run``'s ``attempt`` named ``where`` (a node id, or ``zone{N}``): the running
     one, or a new one, on ``node_id`` if given, sending through zone ``zone`` if given, else to
@@ -245,7 +245,7 @@ class RelayRoute(_Route):
     """A coordinator's way to the monitor: through its node's relay (and that relay's zone relay
     when ``zones`` > 0)."""
 
-    def __init__(self, run: str, namespace: str | None, attempt: int, monitor: Any, node_id: str,
+    def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, node_id: str,
                  timeout_s: float, metrics: RunMetrics, zones: int = 0) -> None:
         zone = zone_of(node_id, zones) if zones else None
         super().__init__(partial(start_relay, run, namespace, attempt, monitor, node_id, timeout_s, zone, node_id),

@@ -154,7 +154,8 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
     async def ping(self) -> dict:
         """Who is answering: the process, when it started (changes on restart), the attempt."""
         return {"pid": os.getpid(), "started_at": self._started_at, "attempt": self._attempt,
-                "root": self._storage.url, "run": self._run}
+                "attempt_id": protocol.attempt_id(self._attempt, self._storage.url), "root": self._storage.url,
+                "run": self._run}
 
     async def worker_config(self) -> dict:
         """What a coordinator needs to write receipts and honour throttling."""
@@ -164,6 +165,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
             "run": self._run,
             "namespace": self._namespace,
             "attempt": self._attempt,
+            "attempt_id": protocol.attempt_id(self._attempt, self._storage.url),
             "save_strategy": self._opts.save_strategy.value,
             "step_dir_template": self._template.template,
             "slot_lease_s": self._opts.slot_lease_s,

@@ -178,7 +178,7 @@ def test_coordinators_sharing_a_notifier_through_a_relay_survive_a_close_and_a_r
     gate = threading.Event()
     before.save_async("u0", _writer(os.path.join(out, "w1-0.pt"), 0.0, gate), 2)
     wait_for(lambda: len(_state(monitor, 2).started) == 1, what="w1/u0 to be admitted")
-    name = relay_name(run_name, first._attempt, ray.get_runtime_context().get_node_id())
+    name = relay_name(run_name, first._attempt_id, ray.get_runtime_context().get_node_id())
     relay_pid = ray.get(ray.get_actor(name).stats.remote())["pid"]
     monitor_pid = ray.get(monitor.ping.remote())["pid"]
 
@@ -234,7 +234,7 @@ def test_an_unreadable_notification_fails_only_itself_in_a_relayed_batch(make_mo
     for step in (1, 2, 3):
         coord.register(step, checkpoint_thread_count=1)
     node = ray.get_runtime_context().get_node_id()
-    relay = start_relay(run_name, None, coord._attempt, monitor, node, 30.0, None, node)
+    relay = start_relay(run_name, None, coord._attempt_id, monitor, node, 30.0, None, node)
 
     good = {"worker": "w9", "name": "u", "step": 1, "kind": "checkpoint", "call": "c1"}
     newer = {**good, "call": "c2", "kind": "optimizer_state"}

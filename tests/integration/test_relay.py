@@ -44,7 +44,7 @@ def _manifest_units(root: str, step: int) -> list[str]:
 
 def _relay(run: str, coord: ckptd.CheckpointCoordinator, where: str | None = None):
     """The relay ``coord``'s reports go through: its node's, or the one named ``where``."""
-    return ray.get_actor(relay_name(run, coord._attempt, where or ray.get_runtime_context().get_node_id()))
+    return ray.get_actor(relay_name(run, coord._attempt_id, where or ray.get_runtime_context().get_node_id()))
 
 
 def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_monitor, tmp_path, run_name):

@@ -3,10 +3,17 @@ as ckptd's retention keeps two steps, and the next save is timed only once that 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+
+import ray
 
 from bench.common import make_state
 from bench.saves import KEEP, SaveHarness
+
+from .helpers import REPO
 
 
 def test_each_method_keeps_its_last_saves_and_settle_outlasts_ckptds_retention(ray_local, tmp_path):
@@ -29,3 +36,23 @@ def test_each_method_keeps_its_last_saves_and_settle_outlasts_ckptds_retention(r
             assert present == list(range(max(1, step - KEEP + 1), step + 1)), (step, present)
     finally:
         h.close()
+
+
+def test_after_save_splits_a_checkpoints_cost_by_the_step_it_lands_in(ray_local, tmp_path):
+    """``python -m bench.after_save`` (tiny sizes): per writer, one extra time per step after the
+    save call, printed as step 0, groups of steps and the total."""
+    out = tmp_path / "after.json"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.run([sys.executable, "-m", "bench.after_save", "--checkpoints", "2", "--every", "12",
+                           "--py-ops", "50", "--model-mib", "2", "--dir", str(tmp_path), "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["writer"] for r in results] == ["thread", "process"]
+    for r in results:
+        assert r["base_s"] > 0 and len(r["extra_s"]) == 12 and r["checkpoints"] == 2
+    assert "| writer | baseline step | step 0 | steps 1-9 | steps 10-11 | all steps |" in proc.stdout
+    assert "| process |" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.after_save", "--writers", "fork"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--writers takes thread and/or process" in bad.stderr

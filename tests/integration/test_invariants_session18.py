@@ -120,6 +120,25 @@ def _not_committed(coord, step: int) -> None:
     assert result[0] == "raised" and isinstance(result[1], TimeoutError), result
 
 
+def _old_job_writing(monitor, root: str, timeout_s: float) -> tuple[ckptd.CheckpointCoordinator, Gate]:
+    """Job 1's coordinator w0 with a unit of step 5 admitted and held before it writes (open the gate)."""
+    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=timeout_s)
+    old.register(5, checkpoint_thread_count=1)
+    gate = Gate(root, 5, "late.bin")
+    old.save_async("late", gate, 5)
+    assert gate.entered.wait(30)  # admitted by job 1's monitor (through its relays, if any)
+    return old, gate
+
+
+def _commits_with_its_own_second_unit_only(new, root: str, step: int) -> None:
+    """Job 2's ``step``, registered with two units and one saved: not committed (no unit of job 1
+    stood for the second); with its own second unit it commits, listing job 2's units only."""
+    _not_committed(new, step)
+    new.save_sync(lambda: write_step_file(root, step, "mine2.bin"), step)
+    new.wait_committed(step, timeout_s=30)
+    assert _units(root, step) == ["w1/sync", "w1/sync"]
+
+
 def _finished_receipt(root: str, attempt: int, step: int) -> bool:
     for path in glob.glob(os.path.join(root, ".ckptd", "pending", str(attempt), str(step), "unit-*.json")):
         try:
@@ -170,11 +189,7 @@ def test_an_old_jobs_late_unit_and_calls_never_count_in_the_new_job(make_monitor
     opts = ROUTES[route]
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, **opts)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
-    old.register(5, checkpoint_thread_count=1)
-    gate = Gate(root, 5, "late.bin")
-    old.save_async("late", gate, 5)
-    assert gate.entered.wait(30)  # admitted by job 1's monitor (through its relays)
+    old, gate = _old_job_writing(monitor, root, 30.0)
     old_relays = _relay_names(run_name, old._attempt_id, opts)
     before = {name: _stats(name) for name in old_relays}
 
@@ -270,10 +285,7 @@ def test_an_old_coordinators_first_relay_started_after_the_new_job_refuses_it(ma
 
     restart_monitor(monitor2, how="sigkill")  # rebuilt from job 2's records only
     assert ray.get(monitor2.ping.remote())["attempt"] == new._attempt
-    _not_committed(new, 5)
-    new.save_sync(lambda: write_step_file(root, 5, "mine2.bin"), 5)
-    new.wait_committed(5, timeout_s=30)
-    assert _units(root, 5) == ["w1/sync", "w1/sync"]
+    _commits_with_its_own_second_unit_only(new, root, 5)
     assert assert_trackers_verified(root)[CKPT] == 5
     assert in_thread(old.close, BOUND_S)[0] != "hung"
     new.close()
@@ -373,10 +385,7 @@ def test_a_report_retried_while_no_monitor_exists_is_refused_once_the_new_job_st
     new.save_sync(lambda: write_step_file(root, 5, "mine.bin"), 5)
     result = in_thread(lambda: wait_all(old), BOUND_S)
     assert result[0] == "ok" and result[1] is not None and _names_both(result[1], old, new), result
-    _not_committed(new, 5)
-    new.save_sync(lambda: write_step_file(root, 5, "mine2.bin"), 5)
-    new.wait_committed(5, timeout_s=30)
-    assert _units(root, 5) == ["w1/sync", "w1/sync"]
+    _commits_with_its_own_second_unit_only(new, root, 5)
     assert assert_trackers_verified(root)[CKPT] == 5
     old.close()
     new.close()
@@ -396,11 +405,7 @@ def test_a_batch_held_by_a_relay_across_the_switch_is_refused(make_monitor, tmp_
     opts = ROUTES["zone1"]
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, **opts)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=60.0)
-    old.register(5, checkpoint_thread_count=1)
-    gate = Gate(root, 5, "late.bin")
-    old.save_async("late", gate, 5)
-    assert gate.entered.wait(30)
+    old, gate = _old_job_writing(monitor, root, 60.0)
     node_relay, zone_relay = _relay_names(run_name, old._attempt_id, opts)
     forwarded = _stats(zone_relay)["forwarded"]
     arm_in_monitor(ray.get_actor(zone_relay), "relay_before_forward", "delay:5")  # any actor's process
@@ -413,10 +418,7 @@ def test_a_batch_held_by_a_relay_across_the_switch_is_refused(make_monitor, tmp_
     result = in_thread(lambda: wait_all(old), BOUND_S)
     assert result[0] == "ok" and result[1] is not None and _names_both(result[1], old, new), result
     assert _stats(zone_relay)["forwarded"] == forwarded, "job 1's zone relay forwarded job 1's late report"
-    _not_committed(new, 5)
-    new.save_sync(lambda: write_step_file(root, 5, "mine2.bin"), 5)
-    new.wait_committed(5, timeout_s=30)
-    assert _units(root, 5) == ["w1/sync", "w1/sync"]
+    _commits_with_its_own_second_unit_only(new, root, 5)
     assert assert_trackers_verified(root)[CKPT] == 5
     old.close()
     new.close()
@@ -439,11 +441,7 @@ def test_a_report_retried_after_a_relay_crash_never_counts_in_the_new_job(make_m
     opts = ROUTES["node"]
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, **opts)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=60.0)
-    old.register(5, checkpoint_thread_count=1)
-    gate = Gate(root, 5, "late.bin")
-    old.save_async("late", gate, 5)
-    assert gate.entered.wait(30)
+    old, gate = _old_job_writing(monitor, root, 60.0)
     (name,) = _relay_names(run_name, old._attempt_id, opts)
     arm_in_monitor(ray.get_actor(name), "relay_after_forward", "crash")
     # Only relays started from now on (the replacement) hold a batch before forwarding it.
@@ -461,10 +459,7 @@ def test_a_report_retried_after_a_relay_crash_never_counts_in_the_new_job(make_m
     result = in_thread(lambda: wait_all(old), BOUND_S)
     assert result[0] == "ok" and result[1] is not None and _names_both(result[1], old, new), result
     new.save_sync(lambda: write_step_file(root, 7, "mine.bin"), 7)
-    _not_committed(new, 7)
-    new.save_sync(lambda: write_step_file(root, 7, "mine2.bin"), 7)
-    new.wait_committed(7, timeout_s=30)
-    assert _units(root, 7) == ["w1/sync", "w1/sync"]
+    _commits_with_its_own_second_unit_only(new, root, 7)
     assert read_manifest(root, 5, CKPT).units == job1_units
     assert status(monitor2).step(5) is None or status(monitor2).step(5).state.value == "committed"
     assert assert_trackers_verified(root)[CKPT] == 7
@@ -528,11 +523,7 @@ def test_a_new_job_on_another_root_under_the_same_run_name_never_counts_an_old_u
     opts = ROUTES[route]
     root_a, root_b = str(tmp_path / "a"), str(tmp_path / "b")
     monitor = make_monitor(root_a, **opts)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
-    old.register(5, checkpoint_thread_count=1)
-    gate = Gate(root_a, 5, "late.bin")
-    old.save_async("late", gate, 5)
-    assert gate.entered.wait(30)
+    old, gate = _old_job_writing(monitor, root_a, 30.0)
     old_pids = {_stats(n)["pid"] for n in _relay_names(run_name, old._attempt_id, opts)}
 
     try:

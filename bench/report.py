@@ -72,12 +72,13 @@ def single_checks(rows: list[Row], smoke: bool = False) -> dict[str, dict]:
         out[name] = {"value": value, "target": target, "verdict": verdict, "met": met if judged else None,
                      "note": note}
 
-    def add_quantile(name: str, samples: list[float], q: float, what: str) -> None:
-        """A percentile target judged like a ratio: by its bootstrap interval (in ms)."""
+    def add_quantile(name: str, samples: list[float], q: float, what: str, extra: str = "") -> None:
+        """A percentile target judged like a ratio: by its bootstrap interval (in ms). ``what``:
+        the samples, a plural noun ("commits")."""
         est = bootstrap_quantile([x * 1000 for x in samples], q)
         target = limit_of(name)
         v = verdict(est, at_most=target)
-        note = f"the p{q * 100:g} of {est.n} {what}"
+        note = f"the p{q * 100:g} of {est.n} {what}{extra}"
         if smoke:
             v, note = Verdict.INCONCLUSIVE, "smoke run: tiny sizes"
         elif v is Verdict.INCONCLUSIVE:
@@ -115,8 +116,8 @@ def single_checks(rows: list[Row], smoke: bool = False) -> dict[str, dict]:
             add(name, r.median / dcp_async.median, unpaired, judged=False)
     r = _find(rows, "P9 scale", f"{EACH_STEP}, spread")
     if r:
-        add_quantile("P9 commit latency after the last unit p99 (ms)", r.samples, 0.99,
-                     "steps (the burst mode's p99 is a row above, not a target)")
+        add_quantile("P9 commit latency after the last unit p99 (ms)", r.samples, 0.99, "steps",
+                     " (the burst mode's p99 is a row above, not a target)")
     # ckptd's durable time is the slower of its two modes: both must meet the target.
     ck_rows = [r for m in ("ckptd fenced", "ckptd eager") if (r := _find(rows, "P8 FSDP2 durable", m))]
     st = _find(rows, "P8 FSDP2 durable", "dcp.save")

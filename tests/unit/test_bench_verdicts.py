@@ -81,5 +81,9 @@ def test_commit_latency_percentiles_are_judged_by_their_interval_over_the_steps(
     assert checks["P4 commit latency p50 (ms) (disk)"]["high"] <= 20
     table = targets_table(checks, [])
     assert "| P4 commit latency p99 (ms) (disk) |" in table and "| ≤ 100 | 50 samples | inconclusive |" in table
+    steps = single_checks([Row("P9 scale", "commit latency after the last unit, each step, spread", "s",
+                               [0.44, 0.45, 0.46, 0.47, 1.2])])["P9 commit latency after the last unit p99 (ms)"]
+    assert steps["verdict"] == "inconclusive" and steps["n"] == 5
+    assert steps["note"].startswith("the p99 of 5 steps (the burst mode's") and "one slow step on" in steps["note"]
     smoke = single_checks(rows, smoke=True)["P4 commit latency p99 (ms) (RAM)"]
     assert (smoke["verdict"], smoke["note"]) == ("inconclusive", "smoke run: tiny sizes")

@@ -55,10 +55,11 @@ def _held(monitor) -> bool:
     return s is not None and s.state.value == "committing"
 
 
-def _hold_registrar(coord, monitor, root: str) -> None:
-    """Hold ``coord``'s registrar for about 3 s: every wait=False registration made after this
-    is applied only once the commit of HOLD_STEP ends."""
-    arm_in_monitor(monitor, "before_manifest", "delay:3")
+def _hold_registrar(coord, monitor, root: str, seconds: float = 8) -> None:
+    """Hold ``coord``'s registrar for about ``seconds``: every wait=False registration made after
+    this is applied only once the commit of HOLD_STEP ends. The default leaves room for the work a
+    test checks while it is held on a loaded CI machine (3 s once did not)."""
+    arm_in_monitor(monitor, "before_manifest", f"delay:{seconds:g}")
     coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
     coord.register(HOLD_STEP, checkpoint_thread_count=1)
     wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
@@ -181,7 +182,7 @@ def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations
     monitor = make_monitor(root)
     actor = _ActorCoordinator.remote(run_name, root)
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
-    arm_in_monitor(monitor, "before_manifest", "delay:3")
+    arm_in_monitor(monitor, "before_manifest", "delay:8")
     driver.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
     driver.register(HOLD_STEP, checkpoint_thread_count=1)
     wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
@@ -211,7 +212,8 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     monitor = make_monitor(root)
     a = ckptd.CheckpointCoordinator(monitor, worker_id="ca")
     b = ckptd.CheckpointCoordinator(monitor, worker_id="cb")  # same process: one shared notifier
-    _hold_registrar(a, monitor, root)
+    # Held long enough for b's two saves and its commit on a loaded CI machine (3 s once was not).
+    _hold_registrar(a, monitor, root, seconds=12)
     a.register(8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: write_step_file(root, 8, "a.bin"), 8)
     # b, with background registrations of its own, saves and commits while a's are held.

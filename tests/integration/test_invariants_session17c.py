@@ -68,9 +68,10 @@ def _held(monitor) -> bool:
 
 
 def _hold_registrar(coord, monitor, root: str) -> None:
-    """Hold ``coord``'s registrar for about 3 s (the commit of HOLD_STEP waits in before_manifest,
-    and a wait=False registration of that step is answered only once it ends)."""
-    arm_in_monitor(monitor, "before_manifest", "delay:3")
+    """Hold ``coord``'s registrar for about 8 s (the commit of HOLD_STEP waits in before_manifest,
+    and a wait=False registration of that step is answered only once it ends): long enough for the
+    work a test checks while it is held, on a loaded CI machine."""
+    arm_in_monitor(monitor, "before_manifest", "delay:8")
     coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
     coord.register(HOLD_STEP, checkpoint_thread_count=1)
     wait_for(lambda: _held(monitor), what="the commit of the holding step to start")

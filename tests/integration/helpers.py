@@ -417,3 +417,32 @@ class Gate:
 
     def open(self) -> None:
         self._open.set()
+
+
+#: The step whose commit the registrar attacks hold in flight (``hold_commit``).
+HOLD_STEP = 1
+
+
+def registrar_held(monitor) -> bool:
+    """Whether the commit of HOLD_STEP is still in flight, so a wait=False registration of that
+    step queued by :func:`hold_registrar` has not been answered yet."""
+    s = status(monitor).step(HOLD_STEP)
+    return s is not None and s.state.value == "committing"
+
+
+def hold_commit(coord, monitor, root: str, seconds: float) -> None:
+    """Start the commit of HOLD_STEP (one unit of ``coord``) and hold it in ``before_manifest`` for
+    about ``seconds``; return once it is in flight."""
+    arm_in_monitor(monitor, "before_manifest", f"delay:{seconds:g}")
+    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
+    coord.register(HOLD_STEP, checkpoint_thread_count=1)
+    wait_for(lambda: registrar_held(monitor), what="the commit of the holding step to start")
+    arm_in_monitor(monitor, "before_manifest", None)
+
+
+def hold_registrar(coord, monitor, root: str, seconds: float = 8) -> None:
+    """Hold ``coord``'s registrar for about ``seconds``: every wait=False registration made after
+    this is applied only once the commit of HOLD_STEP ends. The default leaves room for the work a
+    test checks while it is held on a loaded CI machine (3 s once did not)."""
+    hold_commit(coord, monitor, root, seconds)
+    coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended

@@ -27,9 +27,12 @@ import ckptd
 from ckptd.config import Kind
 
 from .helpers import (
-    arm_in_monitor,
+    HOLD_STEP,
+    hold_commit,
+    hold_registrar,
     in_thread,
     read_manifest,
+    registrar_held,
     restart_monitor,
     status,
     wait_for,
@@ -40,31 +43,11 @@ from .helpers import (
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 CKPT = Kind.CHECKPOINT
-HOLD_STEP = 1
 
 
 def _files(root: str, step: int, kind: Kind = CKPT) -> list[str] | None:
     m = read_manifest(root, step, kind)
     return None if m is None else sorted(f.path for f in m.files)
-
-
-def _held(monitor) -> bool:
-    """Whether the registrar is still held: the commit of HOLD_STEP is in flight, so the wait=False
-    registration of that step queued by :func:`_hold_registrar` has not been answered yet."""
-    s = status(monitor).step(HOLD_STEP)
-    return s is not None and s.state.value == "committing"
-
-
-def _hold_registrar(coord, monitor, root: str, seconds: float = 8) -> None:
-    """Hold ``coord``'s registrar for about ``seconds``: every wait=False registration made after
-    this is applied only once the commit of HOLD_STEP ends. The default leaves room for the work a
-    test checks while it is held on a loaded CI machine (3 s once did not)."""
-    arm_in_monitor(monitor, "before_manifest", f"delay:{seconds:g}")
-    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
-    coord.register(HOLD_STEP, checkpoint_thread_count=1)
-    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
-    arm_in_monitor(monitor, "before_manifest", None)
-    coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended
 
 
 def _finished(monitor, step: int, kind: Kind = CKPT) -> list[str]:
@@ -104,19 +87,19 @@ def test_every_thread_path_waits_for_earlier_registrations_and_before_update_doe
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     for _ in range(4):
         coord.register(5, checkpoint_thread_count=1, wait=False)
     wrote = threading.Event()
     coord.save_state_async("fenced", _state(5), 5, fenced=True)
     coord.before_update()  # the fence waits for the copy only, never for the registrations
-    assert _held(monitor), "before_update waited for the held registrations"
+    assert registrar_held(monitor), "before_update waited for the held registrations"
     coord.save_state_async("eager", _state(5), 5)
     coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
     wait_for(wrote.is_set, what="a.bin to be written")
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "eager.safetensors")),
              what="the eager snapshot to be written")
-    assert _held(monitor)
+    assert registrar_held(monitor)
     assert _finished(monitor, 5) == [] and "finished" not in _receipts(root, 5)
     coord.save_sync(lambda: write_step_file(root, 5, "sync.bin"), 5)  # returns once its barrier passed
     s = status(monitor).step(5)
@@ -132,7 +115,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_moni
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wproc", writer="process", max_staged=1)
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.register(6, checkpoint_thread_count=1, wait=False)
@@ -142,7 +125,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_moni
     # max_staged=1: the next save of "model" needs the buffers of the first, handed back when its
     # write ended, not when its barrier passed.
     assert in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
-    assert _held(monitor), "a staged save of the writer process waited for the held registrations"
+    assert registrar_held(monitor), "a staged save of the writer process waited for the held registrations"
     assert _finished(monitor, 5) == [] and _finished(monitor, 6) == []
     coord.wait_all()
     coord.wait_committed(6, timeout_s=30)
@@ -182,17 +165,13 @@ def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations
     monitor = make_monitor(root)
     actor = _ActorCoordinator.remote(run_name, root)
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
-    arm_in_monitor(monitor, "before_manifest", "delay:8")
-    driver.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
-    driver.register(HOLD_STEP, checkpoint_thread_count=1)
-    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
-    arm_in_monitor(monitor, "before_manifest", None)
+    hold_commit(driver, monitor, root, 8)
     ray.get(actor.register_bg.remote(HOLD_STEP, 0))  # the actor's registrar is held now
     ray.get(actor.register_bg.remote(5, 1))
     ray.get(actor.register_bg.remote(5, 1))
     ray.get(actor.save.remote(5, "a"))
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "a.bin")), what="a.bin")
-    assert _held(monitor) and _finished(monitor, 5) == []
+    assert registrar_held(monitor) and _finished(monitor, 5) == []
     ray.get(actor.wait_all.remote(), timeout=30)
     s = status(monitor).step(5)
     assert (s.expected, len(s.finished), s.committed) == (2, 1, False)  # never committed short
@@ -213,7 +192,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     a = ckptd.CheckpointCoordinator(monitor, worker_id="ca")
     b = ckptd.CheckpointCoordinator(monitor, worker_id="cb")  # same process: one shared notifier
     # Held long enough for b's two saves and its commit on a loaded CI machine (3 s once was not).
-    _hold_registrar(a, monitor, root, seconds=12)
+    hold_registrar(a, monitor, root, seconds=12)
     a.register(8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: write_step_file(root, 8, "a.bin"), 8)
     # b, with background registrations of its own, saves and commits while a's are held.
@@ -222,7 +201,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     b.save_async("b1", lambda: write_step_file(root, 9, "b1.bin"), 9)
     b.save_sync(lambda: write_step_file(root, 9, "b2.bin"), 9)
     b.wait_committed(9, timeout_s=30)
-    assert _held(monitor), "coordinator b waited for coordinator a's registrations"
+    assert registrar_held(monitor), "coordinator b waited for coordinator a's registrations"
     assert _finished(monitor, 8) == []
     assert _files(root, 9) == ["b1.bin", "b2.bin"]
     a.wait_all()
@@ -244,7 +223,7 @@ def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(make
         write_step_file(root, 7, "early.bin")
 
     coord.save_async("early", early, 7)  # before any wait=False registration
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     coord.register(8, checkpoint_thread_count=1, wait=False)
     coord.save_async("late", lambda: write_step_file(root, 8, "late.bin"), 8)
     gate.set()
@@ -273,7 +252,7 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
     monitor = make_monitor(root, save_strategy="single_thread")
     a = ckptd.CheckpointCoordinator(monitor, worker_id="ta")
     b = ckptd.CheckpointCoordinator(monitor, worker_id="tb")
-    _hold_registrar(a, monitor, root)
+    hold_registrar(a, monitor, root)
     wrote = threading.Event()
     a.register(8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: (write_step_file(root, 8, "a.bin"), wrote.set()) and None, 8)
@@ -281,7 +260,7 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
     b.save_async("b", lambda: write_step_file(root, 9, "b.bin"), 9)
     b.wait_committed(9, timeout_s=30)
     written_while_held = wrote.is_set()
-    held = _held(monitor)
+    held = registrar_held(monitor)
     a.wait_all()
     a.wait_committed(8, timeout_s=30)
     assert _files(root, 8) == ["a.bin"] and _files(root, 9) == ["b.bin"]
@@ -298,11 +277,7 @@ def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_comm
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    arm_in_monitor(monitor, "before_manifest", "delay:3")
-    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
-    coord.register(HOLD_STEP, checkpoint_thread_count=1)
-    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
-    arm_in_monitor(monitor, "before_manifest", None)
+    hold_commit(coord, monitor, root, 3)
     coord.register(HOLD_STEP, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
     coord.register(5, checkpoint_thread_count=2, wait=False)
     coord.save_async("a", lambda: write_step_file(root, 5, "a.bin"), 5)
@@ -322,12 +297,12 @@ def test_a_monitor_gone_for_good_releases_the_barrier_and_the_waiting_unit_ends_
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wgone", notify_timeout_s=0.5)
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     wrote = threading.Event()
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
     assert wrote.wait(20)
-    assert _held(monitor) and "finished" not in _receipts(root, 5)
+    assert registrar_held(monitor) and "finished" not in _receipts(root, 5)
     ray.kill(monitor, no_restart=True)
     first = in_thread(coord.wait_all)
     assert first[0] == "raised" and isinstance(first[1], ray.exceptions.RayActorError), first
@@ -346,7 +321,7 @@ def test_a_monitor_restart_while_units_wait_on_the_barrier_never_commits_short(m
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     wrote = threading.Event()
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.register(5, checkpoint_thread_count=1, wait=False)
@@ -354,7 +329,7 @@ def test_a_monitor_restart_while_units_wait_on_the_barrier_never_commits_short(m
     assert wrote.wait(20)
     # What a restarted monitor reads: the unit is still running, and no registration of step 5.
     on_disk = _receipts(root, 5)
-    assert _held(monitor) and on_disk == {"reg": [], "started": ["a"]}, on_disk
+    assert registrar_held(monitor) and on_disk == {"reg": [], "started": ["a"]}, on_disk
     restart_monitor(monitor, how=how)  # the held registration is retried on the new monitor
     coord.wait_all()
     s = status(monitor).step(5)
@@ -375,7 +350,7 @@ def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wbp", max_pending=1, max_staged=1)
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     coord.register(5, checkpoint_thread_count=3, wait=False)
     coord.register(6, checkpoint_thread_count=2, wait=False)
     done = threading.Event()
@@ -391,7 +366,7 @@ def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(
     worker.start()
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "m0.bin")), what="m0.bin")
     # m0 waits at its barrier, so the third save of the lane cannot have returned yet.
-    assert _held(monitor) and not done.is_set()
+    assert registrar_held(monitor) and not done.is_set()
     worker.join(20)
     assert done.is_set(), "the training thread stayed blocked after the registrations were applied"
     coord.wait_all()

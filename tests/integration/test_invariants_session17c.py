@@ -20,14 +20,16 @@ import ckptd
 from ckptd.config import Kind
 
 from .helpers import (
+    HOLD_STEP,
     Gate,
     actor_gone,
-    arm_in_monitor,
     assert_trackers_verified,
     disk_full,
     fail_checkpoint_unit,
+    hold_registrar,
     in_thread,
     read_manifest,
+    registrar_held,
     restart_monitor,
     status,
     wait_for,
@@ -37,7 +39,6 @@ from .helpers import (
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 CKPT, SD = Kind.CHECKPOINT, Kind.STATE_DICT
-HOLD_STEP = 1
 
 
 def _files(root: str, step: int, kind: Kind = CKPT) -> list[str] | None:
@@ -62,23 +63,6 @@ def _failed(monitor, step: int, kind: Kind = CKPT) -> bool:
     return s is not None and s.state.value == "failed"
 
 
-def _held(monitor) -> bool:
-    s = status(monitor).step(HOLD_STEP)
-    return s is not None and s.state.value == "committing"
-
-
-def _hold_registrar(coord, monitor, root: str) -> None:
-    """Hold ``coord``'s registrar for about 8 s (the commit of HOLD_STEP waits in before_manifest,
-    and a wait=False registration of that step is answered only once it ends): long enough for the
-    work a test checks while it is held, on a loaded CI machine."""
-    arm_in_monitor(monitor, "before_manifest", "delay:8")
-    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
-    coord.register(HOLD_STEP, checkpoint_thread_count=1)
-    wait_for(lambda: _held(monitor), what="the commit of the holding step to start")
-    arm_in_monitor(monitor, "before_manifest", None)
-    coord.register(HOLD_STEP, wait=False)
-
-
 # -- 2. a failed step never commits: restarts ------------------------------------------------------
 
 
@@ -92,14 +76,14 @@ def test_a_unit_failing_while_its_steps_registration_is_held_keeps_the_step_fail
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     wrote = threading.Event()
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
     coord.save_async("b", disk_full, 5)
     assert wrote.wait(20)
     wait_for(lambda: _failed(monitor, 5), what="the failure of step 5")
-    assert _held(monitor)
+    assert registrar_held(monitor)
     restart_monitor(monitor, how=how)
     errors = _drain(coord)
     assert any(isinstance(e, ckptd.CheckpointSaveError) and e.step == 5 for e in errors), errors
@@ -251,14 +235,14 @@ def test_a_failed_checkpoint_unit_leaves_the_background_registered_state_dict_to
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _hold_registrar(coord, monitor, root)
+    hold_registrar(coord, monitor, root)
     coord.register(7, is_state_dict=True, state_dict_thread_count=1, wait=False)
     coord.register(7, is_state_dict=True, state_dict_thread_count=1, wait=False)  # adds up: two
     coord.register(7, checkpoint_thread_count=1, wait=False)
     coord.save_async("optim", disk_full, 7)
     coord.save_async("m0", lambda: write_step_file(root, 7, "m0.bin"), 7, is_state_dict=True)
     wait_for(lambda: _failed(monitor, 7), what="the checkpoint of step 7 to fail")
-    assert _held(monitor)
+    assert registrar_held(monitor)
     errors = _drain(coord)
     assert any(isinstance(e, ckptd.CheckpointSaveError) and e.unit.endswith("optim") for e in errors), errors
     s = status(monitor).step(7, SD)

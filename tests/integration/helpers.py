@@ -446,3 +446,16 @@ def hold_registrar(coord, monitor, root: str, seconds: float = 8) -> None:
     test checks while it is held on a loaded CI machine (3 s once did not)."""
     hold_commit(coord, monitor, root, seconds)
     coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended
+
+
+def start_new_job(make_monitor, root: str, old_monitor, **opts):
+    """Job 1's monitor is gone for good; job 2 starts one under the same run name on ``root``."""
+    ray.kill(old_monitor, no_restart=True)
+    wait_for(lambda: actor_gone(old_monitor), what="job 1's monitor to be gone")
+    return make_monitor(root, **opts)
+
+
+def assert_not_committed(coord, step: int, is_state_dict: bool = False) -> None:
+    """``step`` is neither committed nor failed: wait_committed times out."""
+    result = in_thread(lambda: coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=3), 30)
+    assert result[0] == "raised" and isinstance(result[1], TimeoutError), result

@@ -32,10 +32,12 @@ from .helpers import (
     Gate,
     actor_gone,
     arm_in_monitor,
+    assert_not_committed,
     assert_trackers_verified,
     in_thread,
     read_manifest,
     restart_monitor,
+    start_new_job,
     status,
     wait_all,
     wait_for,
@@ -100,24 +102,11 @@ def _assert_clear_error(result, old, new, kind=ckptd.CheckpointError) -> None:
     assert _names_both(str(result[1]), old, new), str(result[1])
 
 
-def _new_job(make_monitor, root: str, old_monitor, **opts):
-    """Job 1's monitor is gone for good; job 2 starts one (same root, same run name)."""
-    ray.kill(old_monitor, no_restart=True)
-    wait_for(lambda: actor_gone(old_monitor), what="job 1's monitor to be gone")
-    return make_monitor(root, **opts)
-
-
 def _units(root: str, step: int) -> list[str]:
     """Who saved the committed checkpoint of ``step`` ("worker/name"), one entry per unit."""
     m = read_manifest(root, step, CKPT)
     assert m is not None, f"step {step} has no checkpoint manifest"
     return sorted(u.split("#")[0] for u in m.units if "#" in u)
-
-
-def _not_committed(coord, step: int) -> None:
-    """``step`` is neither committed nor failed: wait_committed times out."""
-    result = in_thread(lambda: coord.wait_committed(step, timeout_s=3), 30)
-    assert result[0] == "raised" and isinstance(result[1], TimeoutError), result
 
 
 def _old_job_writing(monitor, root: str, timeout_s: float) -> tuple[ckptd.CheckpointCoordinator, Gate]:
@@ -133,7 +122,7 @@ def _old_job_writing(monitor, root: str, timeout_s: float) -> tuple[ckptd.Checkp
 def _commits_with_its_own_second_unit_only(new, root: str, step: int) -> None:
     """Job 2's ``step``, registered with two units and one saved: not committed (no unit of job 1
     stood for the second); with its own second unit it commits, listing job 2's units only."""
-    _not_committed(new, step)
+    assert_not_committed(new, step)
     new.save_sync(lambda: write_step_file(root, step, "mine2.bin"), step)
     new.wait_committed(step, timeout_s=30)
     assert _units(root, step) == ["w1/sync", "w1/sync"]
@@ -193,7 +182,7 @@ def test_an_old_jobs_late_unit_and_calls_never_count_in_the_new_job(make_monitor
     old_relays = _relay_names(run_name, old._attempt_id, opts)
     before = {name: _stats(name) for name in old_relays}
 
-    monitor2 = _new_job(make_monitor, root, monitor, **opts)
+    monitor2 = start_new_job(make_monitor, root, monitor, **opts)
     new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1", notify_timeout_s=30.0)
     assert new._attempt == old._attempt + 1
     new.register(5, checkpoint_thread_count=2)
@@ -202,7 +191,7 @@ def test_an_old_jobs_late_unit_and_calls_never_count_in_the_new_job(make_monitor
     result = in_thread(lambda: wait_all(old), BOUND_S)
     assert result[0] == "ok", result
     assert result[1] is not None and _names_both(result[1], old, new), result
-    _not_committed(new, 5)  # the old unit did not stand for job 2's second one
+    assert_not_committed(new, 5)  # the old unit did not stand for job 2's second one
 
     # Every other call of job 1's coordinator fails clearly, and soon.
     _assert_clear_error(in_thread(lambda: old.register(6, checkpoint_thread_count=1), BOUND_S), old, new)
@@ -259,7 +248,7 @@ def test_an_old_coordinators_first_relay_started_after_the_new_job_refuses_it(ma
     old_relays = _relay_names(run_name, old._attempt_id, opts)
     assert not any(_exists(n) for n in old_relays), "a relay started before any unit"
 
-    monitor2 = _new_job(make_monitor, root, monitor, **opts)
+    monitor2 = start_new_job(make_monitor, root, monitor, **opts)
     new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1", notify_timeout_s=30.0)
     new.register(5, checkpoint_thread_count=2)
     new.save_sync(lambda: write_step_file(root, 5, "mine.bin"), 5)
@@ -411,7 +400,7 @@ def test_a_batch_held_by_a_relay_across_the_switch_is_refused(make_monitor, tmp_
     arm_in_monitor(ray.get_actor(zone_relay), "relay_before_forward", "delay:5")  # any actor's process
     gate.open()
     wait_for(lambda: (once / "relay_before_forward").exists(), what="the zone relay to hold job 1's report")
-    monitor2 = _new_job(make_monitor, root, monitor, **opts)
+    monitor2 = start_new_job(make_monitor, root, monitor, **opts)
     new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1", notify_timeout_s=60.0)
     new.register(5, checkpoint_thread_count=2)
     new.save_sync(lambda: write_step_file(root, 5, "mine.bin"), 5)
@@ -453,7 +442,7 @@ def test_a_report_retried_after_a_relay_crash_never_counts_in_the_new_job(make_m
     wait_for(lambda: read_manifest(root, 5, CKPT) is not None, what="job 1's step 5 to commit")
     job1_units = read_manifest(root, 5, CKPT).units
 
-    monitor2 = _new_job(make_monitor, root, monitor, **opts)
+    monitor2 = start_new_job(make_monitor, root, monitor, **opts)
     new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1", notify_timeout_s=60.0)
     new.register(7, checkpoint_thread_count=2)
     result = in_thread(lambda: wait_all(old), BOUND_S)
@@ -527,13 +516,13 @@ def test_a_new_job_on_another_root_under_the_same_run_name_never_counts_an_old_u
     old_pids = {_stats(n)["pid"] for n in _relay_names(run_name, old._attempt_id, opts)}
 
     try:
-        monitor2 = _new_job(make_monitor, root_b, monitor, **opts)
+        monitor2 = start_new_job(make_monitor, root_b, monitor, **opts)
         new = ckptd.CheckpointCoordinator(monitor2, worker_id="w1", notify_timeout_s=30.0)
         new.register(5, checkpoint_thread_count=2)
         new.save_sync(lambda: write_step_file(root_b, 5, "mine.bin"), 5)
         gate.open()
         result = in_thread(lambda: wait_all(old), BOUND_S)
-        _not_committed(new, 5)  # job 1's unit did not stand for job 2's second one (nor fail its step)
+        assert_not_committed(new, 5)  # job 1's unit did not stand for job 2's second one (nor fail its step)
         assert result[0] == "ok" and result[1] is not None, f"job 1's save counted in job 2: {result}"
         for name in _relay_names(run_name, new._attempt_id, opts):
             assert _stats(name)["pid"] not in old_pids, f"job 2 goes through job 1's relay {name}"

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 
+from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.layout import LEDGER_DIR, MANIFESTS, StepEntry, is_committed
 from ckptd.storage import Storage
@@ -40,6 +41,7 @@ def write_lease(storage: Storage, lease_id: str, sub, step: int) -> None:
 
 
 def remove_lease(storage: Storage, lease_id: str) -> None:
+    failpoints.hit("before_lease_record_removed")
     storage.rm(lease_path(storage, lease_id))
 
 
@@ -180,11 +182,17 @@ class Publication:
         return {"error": None}
 
     async def release(self, lease_id: str) -> None:
-        await self._end_lease(lease_id)
-        self._retention.schedule()  # the step may be past the policy now
+        self._readers.release(lease_id)
+        # The step may be past the policy now. Scheduled before the first await, so whoever sees
+        # the lease gone (status()) and then calls wait_retention finds that pass already due.
+        self._retention.schedule()
+        await self._remove_record(lease_id)
 
     async def _end_lease(self, lease_id: str) -> None:
         self._readers.release(lease_id)
+        await self._remove_record(lease_id)
+
+    async def _remove_record(self, lease_id: str) -> None:
         try:
             await self._in_thread(remove_lease, self._storage, lease_id)
         except Exception as e:  # best effort: a leftover record only restores a lease that then expires

@@ -243,16 +243,27 @@ def test_a_background_failure_is_raised_by_close_and_the_thread_stops(make_monit
 
 def test_close_loses_no_save_failure_when_a_background_registration_also_failed(make_monitor, tmp_path, caplog):
     """close() raises the refused registration; the save that failed before it is not silently lost
-    (logged when it failed, and still raised by a wait_all), and the failed step never commits."""
+    (logged when it failed, and still raised by a wait_all), and the failed step never commits.
+
+    The save fails once step 2's registration was applied: had it failed first, that registration
+    would be answered with the save's failure (step 2 failed), a second error from the registrar."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wsavefail")
     coord.save_sync(lambda: write_step_file(root, 1, "a.bin"), 1)
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=30)
-    coord.save_async("optim", disk_full, 2)  # fails: raised by the next wait_all
+    registered = threading.Event()
+
+    def fail_once_registered() -> None:
+        assert registered.wait(60), "step 2's registration was never applied"
+        disk_full()
+
+    coord.save_async("optim", fail_once_registered, 2)  # fails: raised by the next wait_all
     coord.register(2, checkpoint_thread_count=1, wait=False)
     coord.register(1, checkpoint_thread_count=1, wait=False)  # refused
+    wait_for(lambda: getattr(status(monitor).step(2), "expected", 0) == 1, what="step 2's registration")
+    registered.set()
     with caplog.at_level(logging.ERROR, logger="ckptd"):
         with pytest.raises(ckptd.RegistrationConflictError):
             coord.close()

@@ -13,7 +13,7 @@ import torch
 
 import ckptd
 
-from .helpers import HalfWriter, Rollout, restart_monitor, status, wait_for, weights
+from .helpers import HalfWriter, Rollout, failpoint_env, restart_monitor, status, wait_for, weights
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -112,8 +112,12 @@ def test_a_rollout_never_sees_a_torn_failed_or_uncommitted_step(rollouts, make_m
 
 
 def test_a_pinned_step_survives_retention_while_a_slow_reader_reads_it(rollouts, make_monitor, run_name, tmp_path):
+    """And goes once released: the release is sent without waiting, and the monitor deletes the
+    lease's record after it dropped the lease (held 2 s here), so a status() without the pin
+    followed by wait_retention() must find the retention pass the release made due."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_state_dict_to_keep=2)
+    monitor = make_monitor(root, max_state_dict_to_keep=2,
+                           runtime_env=failpoint_env("before_lease_record_removed=delay:2"))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
     rollout = rollouts(run_name, "slow-reader")
     publish(coord, 1)

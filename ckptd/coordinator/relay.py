@@ -32,11 +32,12 @@ from functools import partial
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ckptd import failpoints
 from ckptd.coordinator.client import MonitorClient
+from ckptd.errors import CheckpointError
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import relay_name
 
@@ -218,12 +219,22 @@ class _Route:
             if self._handle is handle:
                 self._handle = None
 
+    def _timed_out(self) -> CheckpointError:
+        return CheckpointError(
+            f"the notification relay of run {self._run!r} did not answer within notify_timeout_s="
+            f"{self._timeout_s:g} s: the monitor is unreachable (it may still apply what was sent, "
+            "as it would a call that ended with the monitor)")
+
     def send(self, events: list) -> list:
+        # Each call waits at most until this route's deadline: the relay retries upstream for
+        # the timeout of the coordinator that started it, which may be longer than this one's.
         deadline, delay = time.monotonic() + self._timeout_s, 0.05
         while True:
             handle = self.handle()
             try:
-                return ray.get(handle.relay.remote(events))
+                return ray.get(handle.relay.remote(events), timeout=max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                raise self._timed_out() from None
             except RayActorError as e:
                 self._failed(handle, e, deadline)
             time.sleep(delay)
@@ -234,7 +245,9 @@ class _Route:
         while True:
             handle = self.handle()
             try:
-                return await handle.relay.remote(events)
+                return await asyncio.wait_for(handle.relay.remote(events), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise self._timed_out() from None
             except RayActorError as e:
                 self._failed(handle, e, deadline)
             await asyncio.sleep(delay)

@@ -538,9 +538,6 @@ def test_a_new_job_on_another_root_under_the_same_run_name_never_counts_an_old_u
 # -- 9. a coordinator's own notify_timeout_s through a relay another coordinator started ------------
 
 
-@pytest.mark.xfail(strict=True, reason="a relay retries for the notify_timeout_s of the coordinator that started "
-                                       "it (relay.py start_relay/RelayCore), and _Route.send waits for it without "
-                                       "a deadline of its own: a coordinator's shorter notify_timeout_s is not kept")
 def test_an_old_coordinator_gives_up_within_its_own_timeout_through_a_shared_relay(make_monitor, tmp_path, run_name):
     """Invariant 4 (bounded time, no new job yet): job 1's monitor is gone and no job has started
     another. A coordinator with notify_timeout_s=3 whose unit reports its end through the node

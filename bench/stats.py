@@ -42,15 +42,23 @@ def interleave(run_a: Callable[[], float], run_b: Callable[[], float], pairs: in
     """Run ``pairs`` A/B pairs, alternating which goes first; each call returns one sample."""
     if pairs < 1:
         raise ValueError(f"pairs must be >= 1, got {pairs}")
-    a, b = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            a.append(run_a())
-            b.append(run_b())
-        else:
-            b.append(run_b())
-            a.append(run_a())
+    a, b = interleave_rounds([run_a, run_b], pairs)
     return a, b
+
+
+def interleave_rounds(runs: Sequence[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """Run ``rounds`` rounds of every method, the order rotating by one each round (ABC, BCA,
+    CAB, ...: each method goes first as often as the others); one list of samples per method,
+    paired by round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    out: list[list[float]] = [[] for _ in runs]
+    n = len(runs)
+    for i in range(rounds):
+        for j in range(n):
+            k = (i + j) % n
+            out[k].append(runs[k]())
+    return out
 
 
 def bootstrap_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, resamples: int = 10_000,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -42,7 +43,7 @@ from ckptd.workers.files import write_torch
 from . import breakdown
 from .common import MiB, Row, fsync_tree
 from .saves import SaveHarness
-from .stats import interleave
+from .stats import bootstrap_ratio, interleave_rounds
 from .verdicts import Comparison
 
 VARIANTS = ("matmul", "python")
@@ -70,6 +71,58 @@ def write_optim(out: str, snapshot: dict) -> list:
     return [write_torch(storage, storage.join("optim.pt"), snapshot)]
 
 
+class BareCheckpoint:
+    """The least a background checkpoint of the same state does, for P3's floor: the training
+    thread's tensors copied into buffers allocated once (the optimizer waits for the copy, as
+    for ckptd's fence), then written to one file and fsynced, on one thread. No checksum, no
+    receipt, no monitor, no manifest: what is left is the copy's and the write's memory traffic
+    and CPU, which any library that saves while training pays.
+
+    Args:
+        out_dir: Where the file goes (one file, overwritten by each save).
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.path = os.path.join(out_dir, "bare.bin")
+        self._buffers: list[torch.Tensor] = []
+        self._copied = threading.Event()
+        self._copied.set()
+        self._thread: threading.Thread | None = None
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        """Start one save of ``tensors`` (the previous one must be done: :meth:`wait`)."""
+        if not self._buffers:
+            self._buffers = [torch.empty_like(t) for t in tensors]
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._run, args=(tensors,), name="bare-checkpoint")
+        self._thread.start()
+
+    def _run(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for buf, t in zip(self._buffers, tensors, strict=True):
+                buf.copy_(t)
+        self._copied.set()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for buf in self._buffers:
+                view = memoryview(buf.numpy()).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def fence(self) -> None:
+        """Before the optimizer changes the tensors: the copy must be done."""
+        self._copied.wait()
+
+    def wait(self) -> None:
+        """The last save is written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
 class _Loop:
     """The model, its optimizer and one training step of the chosen stand-in."""
 
@@ -86,6 +139,7 @@ class _Loop:
         self.first = next(self.model.parameters())
         self._matmul_step(lambda: None)  # allocates gradients and the optimizer's state
         self.nbytes = sum(p.numel() * 4 * 3 for p in self.model.parameters())  # weights + 2 AdamW moments
+        self.bare = BareCheckpoint(h.dir)
         self.blocked = 0.0  # the training thread's time inside ckptd calls, this block
         self.cpu = 0.0  # the training thread's CPU time per step, this block
 
@@ -118,6 +172,12 @@ class _Loop:
         self.coord.register(step, checkpoint_thread_count=2, wait=False)
         self.blocked += time.perf_counter() - t0
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor a checkpoint holds: the weights and the optimizer's state."""
+        state = [t for per in self.opt.state_dict()["state"].values() for t in per.values()
+                 if isinstance(t, torch.Tensor) and t.numel() > 1]
+        return [p.detach() for p in self.model.parameters()] + state
+
     def _save_sync(self) -> None:
         path = self.h.new_dir("p3-sync")
         os.makedirs(path)
@@ -126,14 +186,15 @@ class _Loop:
         self.h.retire("p3-sync")
 
     def block(self, mode: str, steps: int, every: int, saved: list[int] | None = None) -> float:
-        """Run ``steps`` steps; return seconds per step. ``mode``: "none", "ckptd" or "sync".
+        """Run ``steps`` steps; return seconds per step. ``mode``: "none", "ckptd", "bare"
+        (:class:`BareCheckpoint`) or "sync".
 
         Checkpoints are taken before steps 0, k, 2k, ... < ``steps``: each save overlaps the k
         steps after it inside the block, as in a loop that checkpoints every k steps for good,
         and no save is left for after the block.
         """
         self.blocked = 0.0
-        fence = self._fence if mode == "ckptd" else (lambda: None)
+        fence = {"ckptd": self._fence, "bare": self.bare.fence}.get(mode, lambda: None)
         last = None
         t0, cpu0 = time.perf_counter(), time.thread_time()
         for i in range(steps):
@@ -143,6 +204,9 @@ class _Loop:
                     self._save_ckptd(last)
                     if saved is not None:
                         saved.append(last)
+                elif mode == "bare":
+                    self.bare.wait()  # the save before, if the interval is shorter than a save
+                    self.bare.save(self._tensors())
                 else:
                     self._save_sync()
             self.step(fence)
@@ -151,6 +215,7 @@ class _Loop:
         if last is not None:  # not timed: the next block starts with no save in flight
             self.coord.wait_all()
             self.coord.wait_committed(last, timeout_s=600)
+        self.bare.wait()
         return per_step
 
 
@@ -204,12 +269,19 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
         cpu_base.samples.append(loop.cpu)
         return t
 
-    loop.block("none", steps, every)  # warm-up of both loops (staging buffers are allocated here)
+    bare = Row(scenario, "bare background checkpoint (no ckptd)", "s/step",
+               note="the floor: the same state copied into buffers (the update waits for the copy) and "
+                    "written + fsynced to one file on a thread; no checksum, no protocol")
+    loop.block("none", steps, every)  # warm-up of the loops (staging buffers are allocated here)
     loop.block("ckptd", steps, every)
-    a, b = interleave(run_ckptd, run_none, pairs)
-    ck.samples, base.samples = a, b
+    loop.block("bare", steps, every)
+    a, b, c = interleave_rounds([run_ckptd, run_none, partial(loop.block, "bare", steps, every)], pairs)
+    ck.samples, base.samples, bare.samples = a, b, c
     breakdown.collect(h.monitor, saved, loop.coord.worker_id, phases)
-    rows = [base, ck, blocked, net, cpu_base, cpu_ck, _lost_per_checkpoint(scenario, a, b, steps, every)]
+    lost = _lost_per_checkpoint(scenario, "training time lost per checkpoint", a, b, steps, every)
+    bare_lost = _lost_per_checkpoint(scenario, "bare checkpoint: training time lost per checkpoint", c, b, steps,
+                                     every)
+    rows = [base, ck, blocked, net, cpu_base, cpu_ck, lost, bare, bare_lost]
     if sync_blocks:
         sync = Row(scenario, "torch.save + fsync, synchronous", "s/step", note=f"context: {sync_blocks} blocks")
         sync.samples = [loop.block("sync", steps, every) for _ in range(sync_blocks)]
@@ -218,23 +290,28 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
              "narrow the interval")
     in_calls = blocked.median / base.median * 100
     cpu = (cpu_ck.median / cpu_base.median - 1) * 100
+    floor = bootstrap_ratio(bare.samples, base.samples)
     detail = (f"of a step, the training thread spends {in_calls:.1f} % in ckptd calls (the save calls and the "
               f"fence, which waits for the part of the staging copy not done when the optimizer step comes) and "
-              f"{cpu:+.1f} % in CPU time; the rest is waiting for the GIL or a core")
+              f"{cpu:+.1f} % in CPU time; the rest is waiting for the GIL or a core. The floor, a bare background "
+              f"copy and write of the same state with nothing else, slows this loop {(floor.ratio - 1) * 100:+.1f} % "
+              f"(interval {(floor.low - 1) * 100:+.1f} to {(floor.high - 1) * 100:+.1f} %), "
+              f"{bare_lost.median * 1000:.0f} ms per checkpoint against ckptd's {lost.median * 1000:.0f} ms")
     comparisons = [Comparison(f"P3 ckptd slowdown % ({variant})", ck, base, percent=True, noise=noise,
                               detail=detail)]
     return rows, comparisons, phases
 
 
-def _lost_per_checkpoint(scenario: str, ckptd: list[float], base: list[float], steps: int, every: int) -> Row:
+def _lost_per_checkpoint(scenario: str, method: str, ckptd: list[float], base: list[float], steps: int,
+                         every: int) -> Row:
     """Training time one checkpoint costs, pair by pair: what the slowdown becomes at another
     checkpoint interval (the bench checkpoints every few seconds of training, real runs every few
     minutes, and the cost of a save does not depend on the interval once saves do not overlap)."""
     saves = -(-steps // every)
-    row = Row(scenario, "training time lost per checkpoint", "s", [
+    row = Row(scenario, method, "s", [
         (a - b) * steps / saves for a, b in zip(ckptd, base, strict=True)])
     interval = every * statistics.median(base)
-    row.note = (f"(ckptd block - its paired baseline block) x {steps} steps / {saves} checkpoints; here a "
+    row.note = (f"(block with checkpoints - its paired baseline block) x {steps} steps / {saves} checkpoints; here a "
                 f"checkpoint every {interval:.2g} s of training: at one a minute, {row.median / 60 * 100:.2g} % "
                 f"of training time")
     return row

@@ -61,6 +61,11 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
         steps = 4 if variant == "matmul" else 6
         assert lost["samples"] == [(a - b) * steps / 2 for a, b in zip(ck, base, strict=True)], (variant, lost)
         assert "at one a minute" in lost["note"], lost
+        # The floor: a bare background copy + write of the same state, in the same rounds.
+        bare = p3["bare background checkpoint (no ckptd)"]
+        bare_lost = p3["bare checkpoint: training time lost per checkpoint"]
+        assert len(bare["samples"]) == 3 and all(s > 0 for s in bare["samples"]), bare
+        assert bare_lost["samples"] == [(c - b) * steps / 2 for c, b in zip(bare["samples"], base, strict=True)]
     # P9: both modes measured on the real monitor through node and zone relays.
     p9 = {r["method"]: r for r in result["rows"] if r["scenario"] == "P9 scale"}
     for mode in ("spread", "burst"):

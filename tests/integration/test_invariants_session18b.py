@@ -184,27 +184,34 @@ def test_a_fence_left_by_keyboard_interrupt_fails_the_save_it_did_not_wait_for(m
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
-    state = {"w": torch.ones(64 * 1024 * 1024)}  # 256 MiB: a copy long enough to interrupt
+    from ckptd import failpoints
+
+    state = {"w": torch.ones(64 * 1024 * 1024)}  # 256 MiB: 16 chunks of the staging copy
     interrupted_step = None
-    for step in (10, 11, 12):
-        coord.register(step, checkpoint_thread_count=1)
-        coord.save_state_async("model", state, step, fenced=True)
-        done = threading.Event()
-        timer = threading.Timer(0.003, _thread.interrupt_main)
-        try:
-            timer.start()
-            coord.before_update()
-            done.set()
-            time.sleep(0.5)
-        except KeyboardInterrupt:
-            if not done.is_set():
-                interrupted_step = step
-                break
-        finally:
-            timer.cancel()
-        coord.wait_committed(step, timeout_s=60)
-    if interrupted_step is None:
-        pytest.skip("the interrupt never landed inside before_update")
+    # Each chunk takes 50 ms more (in whichever thread copies it): the copy lasts about 0.4 s, so
+    # an interrupt 50 ms into before_update() lands inside it however loaded the machine is.
+    failpoints.arm("staging_chunk", "delay:0.05")
+    try:
+        for step in (10, 11, 12):
+            coord.register(step, checkpoint_thread_count=1)
+            coord.save_state_async("model", state, step, fenced=True)
+            done = threading.Event()
+            timer = threading.Timer(0.05, _thread.interrupt_main)
+            try:
+                timer.start()
+                coord.before_update()
+                done.set()
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                if not done.is_set():
+                    interrupted_step = step
+                    break
+            finally:
+                timer.cancel()
+            coord.wait_committed(step, timeout_s=60)
+    finally:
+        failpoints.disarm("staging_chunk")
+    assert interrupted_step is not None, "the interrupt never landed inside before_update"
     state["w"].fill_(2.0)  # the caller goes on and changes the source
     result = in_thread(coord.wait_all, 60)
     assert result[0] == "raised" and isinstance(result[1], ckptd.CheckpointSaveError), result

@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from bench.stats import RatioEstimate, Verdict, bootstrap_quantile, bootstrap_ratio, interleave, verdict
+from bench.stats import (
+    RatioEstimate,
+    Verdict,
+    bootstrap_quantile,
+    bootstrap_ratio,
+    interleave,
+    interleave_rounds,
+    verdict,
+)
 
 
 def test_pairs_alternate_which_method_runs_first():
@@ -16,6 +24,17 @@ def test_pairs_alternate_which_method_runs_first():
     assert (a, b) == ([1.0] * 4, [2.0] * 4)
     with pytest.raises(ValueError, match="pairs must be >= 1"):
         interleave(lambda: 1.0, lambda: 1.0, 0)
+
+
+def test_rounds_of_three_methods_rotate_which_goes_first():
+    order = []
+    runs = [lambda name=name, value=value: order.append(name) or value for name, value in (("A", 1.0), ("B", 2.0),
+                                                                                             ("C", 3.0))]
+    a, b, c = interleave_rounds(runs, 3)
+    assert order == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
+    assert (a, b, c) == ([1.0] * 3, [2.0] * 3, [3.0] * 3)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        interleave_rounds(runs, 0)
 
 
 def test_a_clear_difference_gives_a_tight_interval_around_the_ratio():

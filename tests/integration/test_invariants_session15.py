@@ -353,6 +353,9 @@ def test_a_state_dict_of_a_failed_step_is_refused_once_retention_deletes_the_ste
         coord.register(5, is_state_dict=True, state_dict_thread_count=1)
         coord.wait_committed(5, is_state_dict=True, timeout_s=30)
         assert not ray.get(monitor.wait_retention.remote(0))  # the pass that deletes step 3 runs
+        # ...and has fenced step 3's state dict (it may not have got that far yet on a loaded machine)
+        wait_for(lambda: "retention deletes step 3" in (getattr(status(monitor).step(3, SD), "reason", None)
+                                                       or ""), what="the retention pass to fence step 3")
         with pytest.raises(ckptd.CheckpointSaveError, match="retention deletes step 3"):
             coord.save_sync(lambda: write_step_file(root, 3, "sd.bin"), 3, is_state_dict=True)
         with pytest.raises(ckptd.CheckpointSaveError, match="disk full|retention deletes step 3"):

@@ -175,42 +175,56 @@ def test_a_fence_left_by_keyboard_interrupt_fails_the_save_it_did_not_wait_for(m
     thread while it helps a fenced staging copy) fails that save: the step never commits (its
     copy cannot vouch for the state), wait_all reports it, trackers name only verified steps, and
     the name's next fenced save (its buffers reused) commits a later step."""
-    import _thread
+    import signal
     import threading
     import time
 
     import torch
 
+    from ckptd import failpoints
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
-    from ckptd import failpoints
-
     state = {"w": torch.ones(64 * 1024 * 1024)}  # 256 MiB: 16 chunks of the staging copy
     interrupted_step = None
-    # Each chunk takes 50 ms more (in whichever thread copies it): the copy lasts about 0.4 s, so
-    # an interrupt 50 ms into before_update() lands inside it however loaded the machine is.
-    failpoints.arm("staging_chunk", "delay:0.05")
+    main = threading.main_thread().ident
+    # A real SIGINT (a simulated one is not raised until a blocked wait returns), sent 50 ms after
+    # the fence was entered. Each chunk takes 0.2 s more (in whichever thread copies it), so the
+    # copy lasts at least 1.6 s and the interrupt lands inside the fence however loaded the
+    # machine is. xdist's workers ignore SIGINT: Python's own handler is put back meanwhile.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    failpoints.arm("staging_chunk", "delay:0.2")
     try:
         for step in (10, 11, 12):
             coord.register(step, checkpoint_thread_count=1)
             coord.save_state_async("model", state, step, fenced=True)
-            done = threading.Event()
-            timer = threading.Timer(0.05, _thread.interrupt_main)
+            entered, done = threading.Event(), threading.Event()
+
+            def interrupt(entered=entered) -> None:
+                if entered.wait(30):
+                    time.sleep(0.05)
+                    signal.pthread_kill(main, signal.SIGINT)
+
+            sender = threading.Thread(target=interrupt, name="sigint-sender")
+            sender.start()
             try:
-                timer.start()
+                entered.set()
                 coord.before_update()
                 done.set()
-                time.sleep(0.5)
+                sender.join()  # a signal sent just after the fence returned lands here
             except KeyboardInterrupt:
                 if not done.is_set():
                     interrupted_step = step
                     break
             finally:
-                timer.cancel()
+                sender.join()
             coord.wait_committed(step, timeout_s=60)
     finally:
         failpoints.disarm("staging_chunk")
+        signal.signal(signal.SIGINT, previous)
     assert interrupted_step is not None, "the interrupt never landed inside before_update"
     state["w"].fill_(2.0)  # the caller goes on and changes the source
     result = in_thread(coord.wait_all, 60)

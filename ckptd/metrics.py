@@ -102,7 +102,8 @@ RETRIED_REQUESTS = MetricSpec(
     "Requests retried after an error. request: commit (the commit's storage I/O), tracker (advancing "
     "a tracker), mirror (an upload, manifest or tracker on the mirror, or reading its state), "
     "monitor_call (a coordinator's call to an unreachable or restarting monitor), relay_call (a relay's "
-    "call upstream), failure_record (recording a step's failure, which is reported only once recorded).",
+    "call upstream, or a coordinator's batch sent straight to the monitor when its relay did not answer "
+    "in time), failure_record (recording a step's failure, which is reported only once recorded).",
     ("run", "request"))
 RETENTION_DELETIONS = MetricSpec(
     "ckptd_retention_deletions_total", _C,

@@ -43,6 +43,11 @@ def _shared_notifier(client: MonitorClient) -> Notifier:
         return notifier
 
 
+class RelayUnavailable(CheckpointError):
+    """A node relay did not answer a coordinator's batch within the coordinator's own
+    ``notify_timeout_s`` (it is held up by another batch, or died and none answered since)."""
+
+
 class MonitorClient:
     """Calls the monitor, retrying while the actor restarts or is unreachable.
 
@@ -123,9 +128,19 @@ class MonitorClient:
         return notifier.deliver(event)
 
     def send_batch(self, events: list) -> list:
-        """Deliver events now, retrying until the monitor applied them; one answer each."""
+        """Deliver events now, retrying until the monitor applied them; one answer each.
+
+        Through a relay that does not answer within this client's timeout, the events go
+        straight to the monitor, for as long again: the relay may still deliver them, and the
+        monitor answers a repeated event as it answered the first. Giving up on the relay alone
+        would leave the unit's fate to a batch nobody waits for (a "started" admitted after its
+        unit gave up, with the "failed" that follows lost with a relay)."""
         if self._relay is not None:
-            return self._relay.send(events)
+            try:
+                return self._relay.send(events)
+            except RelayUnavailable as e:
+                log.warning("%s; sending %d notification(s) straight to the monitor", e, len(events))
+                self.metrics.inc(RETRIED_REQUESTS, request="relay_call")
         return self.call("notify_batch", events)
 
     def post_quietly(self, event: tuple) -> None:

@@ -36,8 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ckptd import failpoints
-from ckptd.coordinator.client import MonitorClient
-from ckptd.errors import CheckpointError
+from ckptd.coordinator.client import MonitorClient, RelayUnavailable
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import relay_name
 
@@ -219,35 +218,41 @@ class _Route:
             if self._handle is handle:
                 self._handle = None
 
-    def _timed_out(self) -> CheckpointError:
-        return CheckpointError(
-            f"the notification relay of run {self._run!r} did not answer within notify_timeout_s="
-            f"{self._timeout_s:g} s: the monitor is unreachable (it may still apply what was sent, "
-            "as it would a call that ended with the monitor)")
-
     def send(self, events: list) -> list:
-        # Each call waits at most until this route's deadline: the relay retries upstream for
-        # the timeout of the coordinator that started it, which may be longer than this one's.
+        """A coordinator's call: waits at most this route's timeout, across relay restarts (the
+        relay retries upstream for the timeout of the coordinator that started it, which may be
+        longer than this one's).
+
+        Raises:
+            RelayUnavailable: no relay answered in time (the caller goes to the monitor directly).
+        """
         deadline, delay = time.monotonic() + self._timeout_s, 0.05
         while True:
             handle = self.handle()
             try:
                 return ray.get(handle.relay.remote(events), timeout=max(0.0, deadline - time.monotonic()))
             except GetTimeoutError:
-                raise self._timed_out() from None
+                raise RelayUnavailable(f"the notification relay of run {self._run!r} did not answer within "
+                                       f"notify_timeout_s={self._timeout_s:g} s") from None
             except RayActorError as e:
-                self._failed(handle, e, deadline)
+                try:
+                    self._failed(handle, e, deadline)
+                except RayActorError:
+                    raise RelayUnavailable(f"the notification relays of run {self._run!r} kept failing for "
+                                           f"notify_timeout_s={self._timeout_s:g} s ({type(e).__name__})") from e
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
     async def send_async(self, events: list) -> list:
+        """A node relay's call to its zone relay. Unlike :meth:`send`, no deadline on the wait:
+        the batch carries the events of every coordinator of the node, each with its own
+        timeout, and each gives up on its own (a timeout here would cut them all short at the
+        timeout of the coordinator that started the node relay)."""
         deadline, delay = time.monotonic() + self._timeout_s, 0.05
         while True:
             handle = self.handle()
             try:
-                return await asyncio.wait_for(handle.relay.remote(events), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise self._timed_out() from None
+                return await handle.relay.remote(events)
             except RayActorError as e:
                 self._failed(handle, e, deadline)
             await asyncio.sleep(delay)

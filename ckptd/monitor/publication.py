@@ -182,17 +182,15 @@ class Publication:
         return {"error": None}
 
     async def release(self, lease_id: str) -> None:
-        self._readers.release(lease_id)
-        # The step may be past the policy now. Scheduled before the first await, so whoever sees
-        # the lease gone (status()) and then calls wait_retention finds that pass already due.
-        self._retention.schedule()
-        await self._remove_record(lease_id)
+        await self._end_lease(lease_id)
 
     async def _end_lease(self, lease_id: str) -> None:
+        """Drop the lease (released, or a pin refused after it was granted in memory). Retention
+        runs again: the step may be past the policy now, and a pass that ran while the lease
+        stood kept the step for it. Scheduled before the first await, so whoever sees the lease
+        gone (``status()``) and then calls ``wait_retention`` finds that pass already due."""
         self._readers.release(lease_id)
-        await self._remove_record(lease_id)
-
-    async def _remove_record(self, lease_id: str) -> None:
+        self._retention.schedule()
         try:
             await self._in_thread(remove_lease, self._storage, lease_id)
         except Exception as e:  # best effort: a leftover record only restores a lease that then expires

@@ -19,14 +19,13 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
 
 import torch
 
 import ckptd
 
 from .saves import SaveHarness
-from .training import _Loop, python_work, write_optim
+from .training import _Loop
 
 
 def measure(h: SaveHarness, writer: str, checkpoints: int, every: int, py_ops: int, model_mib: int) -> dict:
@@ -41,21 +40,13 @@ def measure(h: SaveHarness, writer: str, checkpoints: int, every: int, py_ops: i
             round_base, round_after = [], []
             for _ in range(every):
                 t0 = time.perf_counter()
-                python_work(py_ops)
-                with torch.no_grad():
-                    loop.first.add_(1e-6)
+                loop.step(lambda: None)
                 round_base.append(time.perf_counter() - t0)
             step = h.next_step()
-            out = coord.step_dir(step)
             t0 = time.perf_counter()
-            coord.save_state_async("model", loop.model.state_dict(), step, fenced=True)
-            coord.save_state_async("optim", loop.opt.state_dict(), step, partial(write_optim, out), fenced=True)
-            coord.register(step, checkpoint_thread_count=2, wait=False)
+            loop.save_ckptd(step)  # P3's checkpoint: the model and the optimizer, fenced
             for _ in range(every):
-                python_work(py_ops)
-                coord.before_update()
-                with torch.no_grad():
-                    loop.first.add_(1e-6)
+                loop.step(coord.before_update)
                 round_after.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
             coord.wait_all()

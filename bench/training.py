@@ -164,7 +164,8 @@ class _Loop:
         self.coord.before_update()  # fenced copies of the last checkpoint must be done
         self.blocked += time.perf_counter() - t0
 
-    def _save_ckptd(self, step: int) -> None:
+    def save_ckptd(self, step: int) -> None:
+        """One P3 checkpoint: the model and the optimizer, fenced, registered in the background."""
         out = self.coord.step_dir(step)
         t0 = time.perf_counter()
         self.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
@@ -201,7 +202,7 @@ class _Loop:
             if mode != "none" and i % every == 0:
                 if mode == "ckptd":
                     last = self.h.next_step()
-                    self._save_ckptd(last)
+                    self.save_ckptd(last)
                     if saved is not None:
                         saved.append(last)
                 elif mode == "bare":

@@ -209,9 +209,8 @@ class _Route:
                 self._handle = self._start()
             return self._handle
 
-    def _failed(self, handle: Any, error: BaseException, deadline: float) -> None:
-        if time.monotonic() > deadline:
-            raise error
+    def _failed(self, handle: Any, error: BaseException) -> None:
+        """The relay behind ``handle`` died: the next call starts (or finds) another."""
         log.warning("a notification relay of run %s failed (%s); sending again", self._run, type(error).__name__)
         self._metrics.inc(RETRIED_REQUESTS, request="relay_call")
         with self._lock:
@@ -235,11 +234,10 @@ class _Route:
                 raise RelayUnavailable(f"the notification relay of run {self._run!r} did not answer within "
                                        f"notify_timeout_s={self._timeout_s:g} s") from None
             except RayActorError as e:
-                try:
-                    self._failed(handle, e, deadline)
-                except RayActorError:
+                if time.monotonic() > deadline:
                     raise RelayUnavailable(f"the notification relays of run {self._run!r} kept failing for "
                                            f"notify_timeout_s={self._timeout_s:g} s ({type(e).__name__})") from e
+                self._failed(handle, e)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -254,7 +252,9 @@ class _Route:
             try:
                 return await handle.relay.remote(events)
             except RayActorError as e:
-                self._failed(handle, e, deadline)
+                if time.monotonic() > deadline:
+                    raise
+                self._failed(handle, e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 

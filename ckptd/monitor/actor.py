@@ -79,6 +79,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._metrics = RunMetrics(run)
         self._gauges = Gauges(self._metrics)
         self._storage = Storage(root, storage_options)
+        self._attempt_id = protocol.attempt_id(attempt, self._storage.url)
         self._template = StepDirTemplate(self._opts.step_dir_template)
         self._committer = Committer(self._storage, self._template, attempt)
         self._started_at = time.time()
@@ -154,8 +155,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
     async def ping(self) -> dict:
         """Who is answering: the process, when it started (changes on restart), the attempt."""
         return {"pid": os.getpid(), "started_at": self._started_at, "attempt": self._attempt,
-                "attempt_id": protocol.attempt_id(self._attempt, self._storage.url), "root": self._storage.url,
-                "run": self._run}
+                "attempt_id": self._attempt_id, "root": self._storage.url, "run": self._run}
 
     async def worker_config(self) -> dict:
         """What a coordinator needs to write receipts and honour throttling."""
@@ -165,7 +165,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
             "run": self._run,
             "namespace": self._namespace,
             "attempt": self._attempt,
-            "attempt_id": protocol.attempt_id(self._attempt, self._storage.url),
+            "attempt_id": self._attempt_id,
             "save_strategy": self._opts.save_strategy.value,
             "step_dir_template": self._template.template,
             "slot_lease_s": self._opts.slot_lease_s,

@@ -138,11 +138,11 @@ def fail_checkpoint_unit(coord, root: str, step: int) -> None:
     raise AssertionError(f"the failing checkpoint unit of step {step} did not fail")
 
 
-def actor_gone(handle) -> bool:
-    """Whether the actor no longer answers: ray.kill returns before the actor is gone, and a call
-    made meanwhile may still be served."""
+def actor_gone(handle, method: str = "ping") -> bool:
+    """Whether the actor no longer answers ``method`` (no arguments): ray.kill returns before the
+    actor is gone, and a call made meanwhile may still be served."""
     try:
-        ray.get(handle.ping.remote(), timeout=10)
+        ray.get(getattr(handle, method).remote(), timeout=10)
     except ray.exceptions.RayActorError:
         return True
     except ray.exceptions.GetTimeoutError:
@@ -459,3 +459,11 @@ def assert_not_committed(coord, step: int, is_state_dict: bool = False) -> None:
     """``step`` is neither committed nor failed: wait_committed times out."""
     result = in_thread(lambda: coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=3), 30)
     assert result[0] == "raised" and isinstance(result[1], TimeoutError), result
+
+
+def node_relay(run: str, coord: ckptd.CheckpointCoordinator, where: str | None = None):
+    """The relay ``coord``'s reports go through: its node's, or the one named ``where``
+    (``zone{N}``)."""
+    from ckptd.protocol import relay_name
+
+    return ray.get_actor(relay_name(run, coord._attempt_id, where or ray.get_runtime_context().get_node_id()))

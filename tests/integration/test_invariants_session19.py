@@ -38,7 +38,6 @@ import ray
 
 import ckptd
 from ckptd.config import Kind
-from ckptd.protocol import relay_name
 
 from .helpers import (
     HOLD_STEP,
@@ -48,6 +47,7 @@ from .helpers import (
     failpoint_env,
     hold_commit,
     in_thread,
+    node_relay,
     read_manifest,
     restart_monitor,
     status,
@@ -72,44 +72,18 @@ SHORT_BOUND_S = 20.0
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _node() -> str:
-    return ray.get_runtime_context().get_node_id()
-
-
-def _relay(run: str, coord: ckptd.CheckpointCoordinator):
-    return ray.get_actor(relay_name(run, coord._attempt_id, _node()))
-
-
-def _hold_next_batch(relay, seconds: float, once_dir) -> None:
-    """The relay's next batch waits ``seconds`` before it is forwarded (once: a marker file named
-    after the failpoint appears in ``once_dir`` when it fires). The relay's event loop sleeps
-    meanwhile, as a stalled relay process would."""
-    def arm(_self, seconds=seconds, once=str(once_dir)):
+def _hold_batches(relay, seconds: float, once_dir=None) -> None:
+    """The relay's batches wait ``seconds`` before they are forwarded: every one, or with
+    ``once_dir`` the next one only (a marker file named after the failpoint appears there when it
+    fires). The relay's event loop sleeps meanwhile, as a stalled relay process would."""
+    def arm(_self, seconds=seconds, once=None if once_dir is None else str(once_dir)):
         from ckptd import failpoints
 
-        os.environ[failpoints.ONCE_ENV_VAR] = once
+        if once is not None:
+            os.environ[failpoints.ONCE_ENV_VAR] = once
         failpoints.arm("relay_before_forward", f"delay:{seconds:g}")
 
     ray.get(relay.__ray_call__.remote(arm), timeout=30)
-
-
-def _hold_every_batch(relay, seconds: float) -> None:
-    def arm(_self, seconds=seconds):
-        from ckptd import failpoints
-
-        failpoints.arm("relay_before_forward", f"delay:{seconds:g}")
-
-    ray.get(relay.__ray_call__.remote(arm), timeout=30)
-
-
-def _relay_gone(relay) -> bool:
-    try:
-        ray.get(relay.stats.remote(), timeout=10)
-    except ray.exceptions.RayActorError:
-        return True
-    except ray.exceptions.GetTimeoutError:
-        pass
-    return False
 
 
 def _admitted_then_held(quick, root: str, relay, seconds: float, once_dir) -> int:
@@ -120,7 +94,7 @@ def _admitted_then_held(quick, root: str, relay, seconds: float, once_dir) -> in
     quick.save_async("s", gate, 1)
     assert gate.entered.wait(30)
     forwarded = ray.get(relay.stats.remote(), timeout=30)["forwarded"]
-    _hold_next_batch(relay, seconds, once_dir)
+    _hold_batches(relay, seconds, once_dir)
     gate.open()
     return forwarded
 
@@ -199,7 +173,7 @@ def test_a_finished_report_held_by_the_relay_past_the_coordinators_timeout_goes_
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
     patient, quick = _pair(monitor, root, 1)
-    relay = _relay(run_name, patient)
+    relay = node_relay(run_name, patient)
     forwarded = _admitted_then_held(quick, root, relay, 8, tmp_path / "once")
     result, took = _timed(lambda: wait_all(quick))
     assert result == ("ok", None) and took < SHORT_BOUND_S, (result, took)
@@ -234,7 +208,7 @@ def test_a_restart_while_the_relay_holds_finished_settles_the_step_once_and_whol
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
     patient, quick = _pair(monitor, root, 1, units=3 if second_unit_running else 2)
-    relay = _relay(run_name, patient)
+    relay = node_relay(run_name, patient)
     gate = threading.Event()
     if second_unit_running:
         patient.save_async("late", lambda: (gate.wait(60), write_step_file(root, 1, "late.bin"))[1], 1)
@@ -276,9 +250,9 @@ def test_a_relay_holding_every_batch_past_the_coordinators_timeout_leaves_no_uni
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
     patient, quick = _pair(monitor, root, 1)
-    relay = _relay(run_name, patient)
+    relay = node_relay(run_name, patient)
     ran = threading.Event()
-    _hold_every_batch(relay, 5)
+    _hold_batches(relay, 5)
 
     def save() -> list[str]:
         ran.set()
@@ -292,7 +266,7 @@ def test_a_relay_holding_every_batch_past_the_coordinators_timeout_leaves_no_uni
         assert _outcome(patient, 1, 15) == "committed"
         manifest = read_manifest(root, 1, CKPT)
         ray.kill(relay, no_restart=True)  # holding a late copy of a report, maybe
-        wait_for(lambda: _relay_gone(relay), what="the relay to be gone")
+        wait_for(lambda: actor_gone(relay, "stats"), what="the relay to be gone")
         assert _outcome(quick, 1, 15) == "committed" and read_manifest(root, 1, CKPT) == manifest
         _assert_whole_or_absent(root, 1, "committed")
         assert _units(root, 1) == ["wl/sync", "ws/s"]

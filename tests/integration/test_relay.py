@@ -12,9 +12,18 @@ import torch
 import ckptd
 from ckptd.layout import MANIFESTS
 from ckptd.manifest import Manifest
-from ckptd.protocol import relay_name
 
-from .helpers import Gate, actor_gone, assert_trackers_verified, in_thread, status, wait_all, wait_for, write_step_file
+from .helpers import (
+    Gate,
+    actor_gone,
+    assert_trackers_verified,
+    in_thread,
+    node_relay,
+    status,
+    wait_all,
+    wait_for,
+    write_step_file,
+)
 
 WORKERS, UNITS = 3, 2
 
@@ -42,11 +51,6 @@ def _manifest_units(root: str, step: int) -> list[str]:
         return sorted(Manifest.model_validate_json(f.read()).units)
 
 
-def _relay(run: str, coord: ckptd.CheckpointCoordinator, where: str | None = None):
-    """The relay ``coord``'s reports go through: its node's, or the one named ``where``."""
-    return ray.get_actor(relay_name(run, coord._attempt_id, where or ray.get_runtime_context().get_node_id()))
-
-
 def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_monitor, tmp_path, run_name):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
@@ -57,9 +61,9 @@ def test_notifications_go_through_the_node_relay_and_its_answers_come_back(make_
     coords[0].wait_committed(1, timeout_s=60)
     assert len(_manifest_units(root, 1)) == WORKERS * UNITS
     # Every started and finished notification reached the monitor through the relay.
-    assert ray.get(_relay(run_name, coords[0]).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
+    assert ray.get(node_relay(run_name, coords[0]).stats.remote())["forwarded"] >= 2 * WORKERS * UNITS
     with pytest.raises(ValueError):  # no zone relays unless asked for
-        _relay(run_name, coords[0], "zone0")
+        node_relay(run_name, coords[0], "zone0")
 
     # The monitor's refusal comes back through the relay: step 1 is committed.
     coords[1].save_async("late", lambda: None, 1)
@@ -103,9 +107,9 @@ def test_a_relay_killed_mid_batch_loses_nothing_and_counts_nothing_twice(make_mo
     coords[0].wait_committed(2, timeout_s=60)
     assert len(_manifest_units(root, 2)) == WORKERS * UNITS
     if zones:  # step 2 went through the zone relay that replaced the dead one, not around it
-        zone = ray.get(_relay(run_name, coords[0], "zone0").stats.remote())
+        zone = ray.get(node_relay(run_name, coords[0], "zone0").stats.remote())
         assert zone["forwarded"] >= 2 * WORKERS * UNITS
-        assert zone["pid"] != ray.get(_relay(run_name, coords[0]).stats.remote())["pid"]
+        assert zone["pid"] != ray.get(node_relay(run_name, coords[0]).stats.remote())["pid"]
     for coord in coords:
         coord.close()
 

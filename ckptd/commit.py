@@ -28,6 +28,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import IO
 
 from fsspec import AbstractFileSystem
@@ -85,7 +86,37 @@ class CommitStrategy:
             f.write(data)
 
 
+_guard: ContextVar[Hook] = ContextVar("ckptd_publish_guard", default=None)
+
+
+@contextmanager
+def publish_guard(check: Hook) -> Iterator[None]:
+    """Run ``check`` just before every publish (rename, PUT, completion of an upload) that the
+    commit strategies make in this thread (or task) meanwhile, and before :class:`Storage` or a
+    strategy creates a directory: a save unit runs its ``save_fn`` in one that raises once a newer
+    job has started on the root. A check that raises fails that write, and nothing appears at its
+    path (an older file there stays as it was). None: no check in the block (a unit's own records).
+
+    NOTE: like any context variable it does not follow work handed to a thread that does not copy
+    the context (``asyncio.to_thread`` does, a ``ThreadPoolExecutor`` does not); a writer process
+    sets its own (see :func:`ckptd.coordinator.writer_process.in_mode`).
+    """
+    token = _guard.set(check)
+    try:
+        yield
+    finally:
+        _guard.reset(token)
+
+
+def check_publish() -> None:
+    """Run this context's publish guard, if there is one (see :func:`publish_guard`)."""
+    guard = _guard.get()
+    if guard is not None:
+        guard()
+
+
 def _run(hook: Hook) -> None:
+    check_publish()
     if hook is not None:
         hook()
 
@@ -102,6 +133,7 @@ class PosixRename(CommitStrategy):
         except FileNotFoundError:
             # Only now: a receipt or record is written twice per save unit, into a directory that
             # almost always exists, and makedirs costs three system calls when it does.
+            check_publish()  # a fenced unit creates no directory either (a step's, say)
             os.makedirs(directory, exist_ok=True)
             f = open(tmp, "wb")  # noqa: SIM115
         try:
@@ -185,6 +217,7 @@ class MoveIntoPlace(CommitStrategy):
     @contextmanager
     def open_write(self, path: str, *, durable: bool = False, before_publish: Hook = None) -> Iterator[IO[bytes]]:
         tmp = temp_name(path)
+        check_publish()
         self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
         try:
             with self.fs.open(tmp, "wb") as f:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from ckptd.commit import TMP_PREFIX
 from ckptd.config import Kind
+from ckptd.fencing import list_attempts
 from ckptd.layout import StepEntry, kinds_in, listed_files, read_template, read_tracker, scan_steps
 from ckptd.manifest import is_internal
-from ckptd.monitor.attempts import list_attempts
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.shared_root import PROBE_DIR

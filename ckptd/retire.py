@@ -59,7 +59,7 @@ def refuse_live(storage: Storage, doing: str) -> None:
 
     if not ray.is_initialized():
         return
-    from ckptd.monitor.attempts import current_attempt
+    from ckptd.fencing import current_attempt
     from ckptd.monitor.service import _live_monitor_of
 
     rec = current_attempt(storage)

@@ -18,7 +18,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ckptd import phases
-from ckptd.commit import TMP_PREFIX, CommitStrategy, fsync_path, strategy_for
+from ckptd.commit import TMP_PREFIX, CommitStrategy, check_publish, fsync_path, strategy_for
 from ckptd.direct_io import MODES, DirectIO, current_mode
 from ckptd.errors import CheckpointConfigError
 from ckptd.walk import FileStat, scan, scan_large
@@ -119,6 +119,7 @@ class Storage:
             fsync_path(d)
 
     def makedirs(self, path: str) -> None:
+        check_publish()  # a save unit of a job that was superseded creates nothing in the root
         self.fs.makedirs(path, exist_ok=True)
 
     def rm(self, path: str) -> None:

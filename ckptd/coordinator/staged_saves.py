@@ -25,6 +25,7 @@ class StagedSaves:
     _staging: Any
     _writer: Any
     _root_url: str
+    _attempt: int
     _client: Any
     _outbox: Any
     _worker: str
@@ -108,7 +109,8 @@ class StagedSaves:
                 phases.add(phases.STAGING, snap.copy_seconds)
                 if writer is None:
                     return write_fn(snap.state)
-                return writer.run(in_mode, self._storage.direct_io, write_fn, snap.state, buffers=snap.buffers)
+                fence = (self._root_url, self._storage.storage_options, self._attempt)
+                return writer.run(in_mode, self._storage.direct_io, fence, write_fn, snap.state, buffers=snap.buffers)
             finally:
                 snap.release()
 

@@ -9,14 +9,17 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ckptd import direct_io, failpoints, phases, protocol
+from ckptd.commit import publish_guard
 from ckptd.config import SaveStrategy
 from ckptd.coordinator.client import MonitorClient
 from ckptd.coordinator.files import describe_returned_files, discover_files, step_path_of
 from ckptd.coordinator.lanes import Job
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from ckptd.fencing import check_fence
 from ckptd.layout import find_step_dir
 from ckptd.manifest import FileEntry
 from ckptd.metrics import UNIT_BYTES, UNIT_DURATION, WRITTEN_BYTES
@@ -61,6 +64,12 @@ class UnitRunner:
         ``reraise_interrupts``: a KeyboardInterrupt or SystemExit raised by ``save_fn`` goes on
         up (after the failure is reported), for save_sync's caller. A save thread has nobody to
         hand it to: there it is returned as the unit's error, which wait_all() raises."""
+        # Its own records are not subject to the publish guard of a unit it may run inside (a
+        # save_sync called from another coordinator's save_fn): its save_fn gets its own.
+        with publish_guard(None):
+            return self._run(job, reraise_interrupts)
+
+    def _run(self, job: Job, reraise_interrupts: bool) -> CheckpointSaveError | None:
         unit = job.unit
         slot = f"{unit.step}/{unit.kind.value}/{unit.key}"
         span = _Span(time.time())
@@ -156,14 +165,17 @@ class UnitRunner:
             # Object stores: which files are new is found by comparing listings (see discover_files).
             name = find_step_dir(self._storage, unit.step, self._template)
             listed_before = {} if name is None else self._storage.walk_files(self._storage.join(name))
-        with direct_io.mode(self._storage.direct_io):  # the writers' own Storage follows the monitor
+        # The writers' own Storage follows the monitor's direct_io mode, and nothing they publish
+        # into the root lands once a newer job has started there (this process outlived its job).
+        fence = partial(check_fence, self._storage, self._attempt, "save")
+        with direct_io.mode(self._storage.direct_io), publish_guard(fence):
             returned = save_fn()
-        if returned is not None:
-            if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
-                raise CheckpointConfigError(
-                    f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
-                )
-            returned = list(returned)
+            if returned is not None:
+                if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+                    raise CheckpointConfigError(
+                        f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
+                    )
+                returned = list(returned)  # in the block: a generator may still write as it is read
         # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
         step_path = self._step_path(unit.step, returned)
         if step_path is None:

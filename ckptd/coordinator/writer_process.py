@@ -27,6 +27,7 @@ drops a set when the training process has dropped it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import pickle
@@ -35,6 +36,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -42,8 +44,10 @@ import torch
 import torch.multiprocessing as tmp
 
 from ckptd import direct_io, phases
+from ckptd.commit import publish_guard
 from ckptd.direct_io import DirectIO
 from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.fencing import check_fence
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 
@@ -68,10 +72,19 @@ def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dic
     return write_flat_into(Storage(root, storage_options), path, snapshot, metadata)
 
 
-def in_mode(mode: DirectIO, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with ``mode`` as the direct_io mode of the Storage it opens (what a save
-    unit does in its own process; a writer process has its own context)."""
-    with direct_io.mode(mode):
+#: What a writer process needs to fence its writes: the root, its storage options, the attempt.
+Fence = tuple[str, "dict | None", int]
+
+
+def in_mode(mode: DirectIO, fence: Fence | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` as a save unit runs its save function in its own process (a writer process
+    has its own context): ``mode`` is the direct_io mode of the Storage it opens, and with
+    ``fence`` nothing is published into the root once a newer attempt than its own exists."""
+    guard = contextlib.nullcontext()
+    if fence is not None:
+        root, options, attempt = fence
+        guard = publish_guard(partial(check_fence, Storage(root, options), attempt, "save"))
+    with direct_io.mode(mode), guard:
         return fn(*args)
 
 

@@ -23,15 +23,10 @@ import ray
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
+from ckptd.fencing import FencedError, check_fence
 from ckptd.layout import read_tracker
 from ckptd.metrics import RunMetrics
-from ckptd.monitor.attempts import (
-    FencedError,
-    check_fence,
-    clean_up_older_attempts,
-    mark_started,
-    started_before,
-)
+from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, started_before
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.gauges import Gauges

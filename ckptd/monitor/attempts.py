@@ -9,7 +9,8 @@ may publish manifests and trackers.
 A Ray restart of the same monitor keeps its attempt (the number is an argument of the actor).
 A new job gets a new number, discards the records of every older attempt, and clears the files
 those attempts left in steps they never committed, so those steps start clean. A monitor whose
-attempt is no longer the newest is fenced: :func:`check_fence` runs before every publish.
+attempt is no longer the newest is fenced: :func:`ckptd.fencing.check_fence` runs before every
+publish, the monitor's and the save units'.
 """
 
 from __future__ import annotations
@@ -20,66 +21,17 @@ import os
 import socket
 import time
 
-from pydantic import BaseModel, ConfigDict
-
 from ckptd.commit import fsync_path, temp_name
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
-from ckptd.layout import LEDGER_DIR, listed_files, scan_steps
+from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
+from ckptd.layout import listed_files, scan_steps
 from ckptd.manifest import is_internal
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 
 log = logging.getLogger("ckptd.monitor")
-
-
-class FencedError(CheckpointError):
-    """A newer attempt owns the root: this monitor must not publish anything."""
-
-    def __init__(self, mine: int, newer: int, run: str) -> None:
-        self.mine, self.newer, self.run = mine, newer, run
-        super().__init__(
-            f"attempt {mine} of this root was superseded by attempt {newer} (run {run!r}); this monitor "
-            "no longer publishes manifests or trackers. Stop it, or start one job per root"
-        )
-
-    def __reduce__(self):
-        return (type(self), (self.mine, self.newer, self.run))
-
-
-class AttemptRecord(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    attempt: int
-    run: str
-    namespace: str | None
-    root: str
-    started_at: float
-    host: str
-
-
-def _dir(storage: Storage) -> str:
-    return storage.join(LEDGER_DIR, "attempts")
-
-
-def list_attempts(storage: Storage) -> list[int]:
-    out = []
-    for name in storage.listdir(_dir(storage)):
-        stem, _, ext = name.partition(".")
-        if ext == "json" and stem.isdigit():
-            out.append(int(stem))
-    return sorted(out)
-
-
-def read_attempt(storage: Storage, attempt: int) -> AttemptRecord | None:
-    text = storage.read_text_or_none(f"{_dir(storage)}/{attempt}.json")
-    return None if text is None else AttemptRecord.model_validate_json(text)
-
-
-def current_attempt(storage: Storage) -> AttemptRecord | None:
-    attempts = list_attempts(storage)
-    return read_attempt(storage, attempts[-1]) if attempts else None
 
 
 def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRecord:
@@ -92,10 +44,10 @@ def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRe
         attempts = list_attempts(storage)
         rec = AttemptRecord(attempt=(attempts[-1] + 1) if attempts else 1, run=run, namespace=namespace,
                             root=storage.url, started_at=time.time(), host=socket.gethostname())
-        path = f"{_dir(storage)}/{rec.attempt}.json"
+        path = f"{attempts_dir(storage)}/{rec.attempt}.json"
         data = rec.model_dump_json().encode()
         if storage.is_posix:
-            os.makedirs(_dir(storage), exist_ok=True)
+            os.makedirs(attempts_dir(storage), exist_ok=True)
             tmp = temp_name(path)
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -107,7 +59,7 @@ def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRe
                 continue
             finally:
                 os.unlink(tmp)
-            fsync_path(_dir(storage))
+            fsync_path(attempts_dir(storage))
             return rec
         if storage.exists(path):
             continue
@@ -117,21 +69,13 @@ def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRe
     raise CheckpointError(f"could not open a new attempt under {storage.url}: too many concurrent starts")
 
 
-def check_fence(storage: Storage, mine: int) -> None:
-    """Raise FencedError unless ``mine`` is still the newest attempt of the root."""
-    attempts = list_attempts(storage)
-    if attempts and attempts[-1] > mine:
-        newer = read_attempt(storage, attempts[-1])
-        raise FencedError(mine, attempts[-1], newer.run if newer else "?")
-
-
 def started_before(storage: Storage, attempt: int) -> bool:
     """Whether a monitor of ``attempt`` already started once (this start is a Ray restart)."""
-    return storage.exists(f"{_dir(storage)}/{attempt}.started")
+    return storage.exists(f"{attempts_dir(storage)}/{attempt}.started")
 
 
 def mark_started(storage: Storage, attempt: int) -> None:
-    storage.write_atomic(f"{_dir(storage)}/{attempt}.started", json.dumps({"at": time.time()}).encode())
+    storage.write_atomic(f"{attempts_dir(storage)}/{attempt}.started", json.dumps({"at": time.time()}).encode())
 
 
 def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTemplate) -> list[str]:

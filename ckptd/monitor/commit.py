@@ -10,7 +10,7 @@ Invariants it keeps:
   backend keeps one) it was reported with, and every file an earlier manifest of the step lists
   must be unchanged. Otherwise the commit fails, naming the file: no manifest ever carries a
   checksum of bytes that are not on storage.
-* Only the newest attempt publishes (:func:`~ckptd.monitor.attempts.check_fence` right before
+* Only the newest attempt publishes (:func:`~ckptd.fencing.check_fence` right before
   each manifest and tracker), and a tracker never moves back: the value in storage is read
   before it is replaced.
 * A publish whose outcome is uncertain (it raised, but the rename may have happened) is settled
@@ -27,9 +27,9 @@ from functools import partial
 from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
+from ckptd.fencing import FencedError, check_fence
 from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
 from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
-from ckptd.monitor.attempts import FencedError, check_fence
 from ckptd.storage import FileStat, Storage
 from ckptd.template import StepDirTemplate
 

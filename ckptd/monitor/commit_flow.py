@@ -14,8 +14,8 @@ from typing import Any
 
 from ckptd import failpoints, phases, protocol
 from ckptd.config import Kind
+from ckptd.fencing import FencedError
 from ckptd.metrics import COMMIT_LATENCY, FAILED_COMMITS, FAILED_STEPS, RETRIED_REQUESTS
-from ckptd.monitor.attempts import FencedError
 from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 

@@ -9,9 +9,10 @@ import ray
 
 from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.fencing import AttemptRecord, current_attempt, list_attempts, read_attempt
 from ckptd.layout import LEDGER_DIR, check_template, record_template
 from ckptd.monitor.actor import monitor_actor_class
-from ckptd.monitor.attempts import AttemptRecord, current_attempt, list_attempts, open_attempt, read_attempt
+from ckptd.monitor.attempts import open_attempt
 from ckptd.protocol import actor_name
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage

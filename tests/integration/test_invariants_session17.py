@@ -195,9 +195,10 @@ def test_background_registrations_of_one_thread_are_applied_in_order(make_monito
     with pytest.raises(ckptd.RegistrationConflictError, match=f"step {steps[0]} "):
         coord.wait_all()
     for s in steps:
+        # wait_all returns once the registrations are applied; the commits they start may still run
+        coord.wait_committed(s, timeout_s=30)
         assert _files(root, s) == ["a.bin"]
         assert len(read_manifest(root, s, CKPT).registrations) == 1
-    coord.wait_committed(steps[-1], timeout_s=30)
     assert ckptd.latest_step(root) == steps[-1]
     coord.close()
 

@@ -123,6 +123,7 @@ def test_a_writer_process_job_opens_storage_in_the_units_direct_io_mode(tmp_path
     for mode in ("on", "off"):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
-            [written] = in_mode(mode, write_flat, str(tmp_path), None, f"{tmp_path}/{mode}.safetensors", state, {})
+            [written] = in_mode(mode, None, write_flat, str(tmp_path), None, f"{tmp_path}/{mode}.safetensors",
+                                state, {})
         assert written.size > 36 << 20
         assert ("with O_DIRECT" in caplog.text) == (mode == "on")

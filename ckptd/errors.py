@@ -41,14 +41,16 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
         kind: ``"checkpoint"`` or ``"state_dict"``.
         unit: The failed unit, as ``worker/name``, or ``None`` when the step failed as a whole
             (a timeout, or a commit that could not be written).
-        cause: What went wrong, in words (the exception type and message, or the reason).
+        cause: What went wrong, in words (the exception type and message, or the reason); also
+            ``reason``, which stays a string when the error is raised through ``ray.get``: Ray's
+            wrapper class sets its own ``cause`` (the exception the actor raised).
     """
 
     def __init__(self, step: int, kind: str, unit: str | None, cause: str) -> None:
         self.step = step
         self.kind = kind
         self.unit = unit
-        self.cause = cause
+        self.cause = self.reason = cause
         where = f"unit {unit!r}" if unit else "the step"
         super().__init__(f"{kind} save of step {step} failed in {where}: {cause}")
 

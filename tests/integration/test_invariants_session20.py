@@ -524,6 +524,7 @@ def test_the_fenced_error_crosses_ray_intact(make_monitor, tmp_path, run_name):
         assert_untouched(root, before)
         for ref, e in errors:
             assert e.value.step == STEP and e.value.kind == "checkpoint", e.value
+            assert "superseded by attempt 2" in e.value.reason  # a string through Ray's wrapper too
             # Ray's wrapper (RayTaskError(CheckpointSaveError)) has its own ``cause``: the error raised.
             inner = e.value.cause if isinstance(e.value, ray.exceptions.RayTaskError) else e.value
             assert isinstance(inner, ckptd.CheckpointSaveError)

@@ -75,7 +75,7 @@ def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | D
     """
     with phases.phase(phases.WRITE), storage.open_write(path) as f:
         if storage.is_posix and direct_io_for(storage.direct_io, path, size) and enable(f.fileno()):
-            w: ChecksumWriter | DirectWriter = DirectWriter(f.fileno())
+            w: ChecksumWriter | DirectWriter = DirectWriter(f.fileno(), size)
             try:
                 fill(w)
             except BaseException:

@@ -33,13 +33,14 @@ def _open(path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
-def _write_pieces(tmp_path, pieces: list[bytes], name: str = "f.bin") -> tuple[DirectWriter, bytes]:
+def _write_pieces(tmp_path, pieces: list[bytes], name: str = "f.bin",
+                  size: int | None = None) -> tuple[DirectWriter, bytes]:
     path = tmp_path / name
     fd = _open(path)
     try:
         if not direct_io.enable(fd):
             pytest.skip(f"the kernel refuses O_DIRECT on {filesystem_type(str(tmp_path))}")
-        w = DirectWriter(fd)
+        w = DirectWriter(fd, size)
         for p in pieces:
             assert w.write(p) == len(p)
         w.finish()
@@ -63,6 +64,26 @@ def test_many_small_and_large_pieces_keep_their_order(tmp_path):
     w, got = _write_pieces(tmp_path, pieces)
     whole = b"".join(pieces)
     assert got == whole and w.crc == zlib.crc32(whole) and w.size == len(whole)
+
+
+def test_buffers_grow_with_the_file_in_steps_of_16_mib_up_to_64():
+    mib = 1 << 20
+    sizes = [None, 0, 32 * mib, 255 * mib, 256 * mib, 511 * mib, 512 * mib, 768 * mib, 8 << 30]
+    assert [direct_io.buffer_size(s) // mib for s in sizes] == [16, 16, 16, 16, 32, 48, 64, 64, 64]
+
+
+@pytest.mark.parametrize("hint", [None, 256 << 20, 1 << 30])
+def test_a_size_hint_picks_the_buffers_and_any_length_is_still_written_exactly(tmp_path, hint):
+    """The hint is about the file: shorter or longer, the bytes and CRC-32 are the same."""
+    size = direct_io.buffer_size(hint)
+    rng = random.Random(hint or 1)
+    pieces = [rng.randbytes(n) for n in (5, size - 3, size + ALIGN + 1, 12345)]
+    w, got = _write_pieces(tmp_path, pieces, size=hint)
+    whole = b"".join(pieces)
+    assert got == whole and w.crc == zlib.crc32(whole) and w.size == len(whole)
+    assert w._size == size
+    held = sum(len(b) for b in direct_io._free_buffers)
+    assert held <= direct_io._MAX_FREE_BYTES and len(direct_io._free_buffers) <= direct_io._MAX_FREE
 
 
 def test_a_refused_o_direct_write_falls_back_to_the_same_bytes_buffered(tmp_path, disarm):

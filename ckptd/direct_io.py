@@ -161,18 +161,19 @@ def buffer_size(size: int | None) -> int:
 
 def _take_buffer(size: int) -> mmap.mmap:
     with _free_lock:
-        for i, buf in enumerate(_free_buffers):
-            if len(buf) == size:
+        for i in range(len(_free_buffers) - 1, -1, -1):  # the most recently used first
+            if len(_free_buffers[i]) == size:
                 return _free_buffers.pop(i)
     return mmap.mmap(-1, size)  # anonymous mappings are page-aligned
 
 
 def _give_buffer(buf: mmap.mmap) -> None:
     with _free_lock:
-        held = sum(len(b) for b in _free_buffers)
-        if len(_free_buffers) < _MAX_FREE and held + len(buf) <= _MAX_FREE_BYTES:
-            _free_buffers.append(buf)
-    # Otherwise dropped: it is unmapped once no view of it is left.
+        _free_buffers.append(buf)
+        # Over the limits, the least recently used go: buffers of a size no file needs any more
+        # must not leave every later file mapping (and faulting in) fresh ones.
+        while len(_free_buffers) > _MAX_FREE or sum(len(b) for b in _free_buffers) > _MAX_FREE_BYTES:
+            _free_buffers.pop(0)  # unmapped once no view of it is left
 
 
 class DirectWriter(ChecksummedStream):

@@ -107,16 +107,38 @@ def test_a_write_error_is_raised_and_the_buffers_go_back(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"")
     fd = os.open(path, os.O_RDONLY)  # pwrite fails with EBADF, which is no reason to fall back
-    free_before = len(direct_io._free_buffers)
     try:
         w = DirectWriter(fd)
+        taken = list(w._bufs)
         with pytest.raises(OSError):
             w.write(b"x" * (BUF + 1))
             w.finish()
         w.abort()  # idempotent
     finally:
         os.close(fd)
-    assert len(direct_io._free_buffers) == min(max(free_before, 2), direct_io._MAX_FREE)  # both came back
+    assert all(any(b is t for b in direct_io._free_buffers) for t in taken)  # both came back
+
+
+def test_the_buffers_kept_are_the_most_recently_used_within_the_limits():
+    """After two large files written at once (their 64 MiB buffers fill the byte limit), files of
+    the usual size still reuse their buffers instead of mapping fresh ones each time: the least
+    recently used go first."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        large = [DirectWriter(fd, 8 << 30), DirectWriter(fd, 8 << 30)]
+        for w in large:
+            w.abort()
+        assert sum(len(b) for b in direct_io._free_buffers) == direct_io._MAX_FREE_BYTES
+        first = DirectWriter(fd)
+        small = list(first._bufs)
+        first.abort()
+        again = DirectWriter(fd)
+        assert all(any(b is s for s in small) for b in again._bufs)  # reused, not mapped anew
+        again.abort()
+    finally:
+        os.close(fd)
+    assert len(direct_io._free_buffers) <= direct_io._MAX_FREE
+    assert sum(len(b) for b in direct_io._free_buffers) <= direct_io._MAX_FREE_BYTES
 
 
 def test_filesystem_type_reads_the_mount_table():

@@ -172,6 +172,21 @@ def assert_fenced(err: BaseException | None, in_process: bool = True) -> None:
         assert (back.mine, back.newer, back.run, back.who, str(back)) == (1, 2, cause.run, "save", str(cause))
 
 
+def wait_all_error(coord) -> ckptd.CheckpointSaveError | None:
+    """What ``coord.wait_all()`` raises (the exception itself, unlike helpers.wait_all's text)."""
+    try:
+        coord.wait_all()
+    except ckptd.CheckpointSaveError as e:
+        return e
+    return None
+
+
+def job_1(make_monitor, root: str, **opts):
+    """Job 1: its monitor, a coordinator, and a gate that holds one of its saves after admission."""
+    monitor = make_monitor(root, **opts)
+    return monitor, ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0), Held()
+
+
 def job_2_commits(make_monitor, root: str, old_monitor, writers, step: int = STEP, **opts):
     """Job 1's monitor goes; job 2 starts on the root and commits ``step`` with ``writers``' files."""
     monitor2 = start_new_job(make_monitor, root, old_monitor, **opts)
@@ -243,9 +258,7 @@ CASES = [("save_async", w) for w in WRITERS] + [
 @pytest.mark.parametrize(("mode", "writer"), CASES, ids=[f"{m}-{w}" for m, w in CASES])
 def test_a_job_1_unit_publishes_nothing_over_job_2s_committed_step(make_monitor, tmp_path, mode, writer):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root)
     error = start_job_1_save(old, mode, WRITERS[writer], held)
     assert held.entered.wait(30)  # admitted by job 1's monitor
     _, new = job_2_commits(make_monitor, root, monitor, [WRITERS[writer]])
@@ -275,11 +288,7 @@ def test_a_job_1_writer_process_publishes_nothing_over_job_2s_committed_step(mak
     _, new = job_2_commits(make_monitor, root, monitor, [WRITERS[writer], w_safetensors])
     before = files_of(root)
     open(gate, "w").close()
-    err = None
-    try:
-        old.wait_all()
-    except ckptd.CheckpointSaveError as e:
-        err = e
+    err = wait_all_error(old)
     assert_untouched(root, before)
     assert_fenced(err, in_process=False)
     assert "more failed saves" in str(err)  # the default writer's unit failed too
@@ -292,9 +301,7 @@ def test_a_job_1_writer_process_publishes_nothing_over_job_2s_committed_step(mak
 def test_a_takeover_fences_the_old_jobs_units(make_monitor, tmp_path, run_name):
     """Job 2 is another run that takes the root over (takeover=True) while job 1's monitor lives."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root)
     old.save_async("model", held.then(w_safetensors, old.step_dir(STEP), OLD), STEP)
     assert held.entered.wait(30)
     monitor2 = make_monitor(root, run=run_name + "-b", takeover=True)
@@ -305,11 +312,7 @@ def test_a_takeover_fences_the_old_jobs_units(make_monitor, tmp_path, run_name):
     new.wait_committed(STEP, timeout_s=60)
     before = files_of(root)
     held.go.set()
-    err = None
-    try:
-        old.wait_all()
-    except ckptd.CheckpointSaveError as e:
-        err = e
+    err = wait_all_error(old)
     assert_untouched(root, before)
     assert_fenced(err)
     job_2_goes_on(new)
@@ -322,9 +325,7 @@ def test_two_jobs_coordinators_in_one_process_nested_units_fence_only_job_1(make
     unit publishes (it belongs to the newest attempt), and job 1's write after it is fenced again
     (the inner guard was undone, not left in place)."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root)
     box: dict = {}
 
     def job_1_save():
@@ -344,11 +345,7 @@ def test_two_jobs_coordinators_in_one_process_nested_units_fence_only_job_1(make
     new.register(STEP + 1, checkpoint_thread_count=1)
     before = files_of(root)
     held.go.set()
-    err = None
-    try:
-        old.wait_all()
-    except ckptd.CheckpointSaveError as e:
-        err = e
+    err = wait_all_error(old)
     assert_fenced(err)  # job 1's own write, after the nested unit
     assert box["nested"] is None, box["nested"]
     new.wait_committed(STEP + 1, timeout_s=60)
@@ -385,9 +382,7 @@ def in_asyncio_to_thread(d: str, sd: dict) -> list:
 ])
 def test_a_save_fn_that_writes_from_another_thread_is_fenced(make_monitor, tmp_path, how):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root)
     old.save_async("model", held.then(how, old.step_dir(STEP), OLD), STEP)
     assert held.entered.wait(30)
     _, new = job_2_commits(make_monitor, root, monitor, [w_safetensors])
@@ -401,9 +396,7 @@ def test_a_save_fn_that_writes_from_another_thread_is_fenced(make_monitor, tmp_p
 
 def test_a_save_fn_that_returns_a_generator_of_writes_is_fenced(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root)
     d = old.step_dir(STEP)
 
     def lazily():
@@ -426,9 +419,7 @@ EPOCH_TEMPLATE = "epoch-{epoch}_step-{step}"
 
 def test_a_fenced_job_1_write_leaves_no_step_directory_that_stops_job_2s_commit(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, step_dir_template=EPOCH_TEMPLATE)
-    old = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=10.0)
-    held = Held()
+    monitor, old, held = job_1(make_monitor, root, step_dir_template=EPOCH_TEMPLATE)
     old.save_async("model", held.then(w_safetensors, old.step_dir(7, epoch=1), OLD), 7)
     assert held.entered.wait(30)
     monitor2 = start_new_job(make_monitor, root, monitor, step_dir_template=EPOCH_TEMPLATE)
@@ -573,11 +564,7 @@ def test_an_s3_root_multipart_and_single_put_are_fenced(make_monitor, s3_root, s
     assert "-" in before["run/global_step_5/big.safetensors"][0]  # job 2's big file: a multipart upload
     assert "-" not in before["run/global_step_5/small.safetensors"][0]  # and the small one a single PUT
     held.go.set()
-    err = None
-    try:
-        old.wait_all()
-    except ckptd.CheckpointSaveError as e:
-        err = e
+    err = wait_all_error(old)
     assert objects() == before
     assert_fenced(err)
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # the aborted upload left no parts

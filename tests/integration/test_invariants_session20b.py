@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 from functools import partial
 
@@ -56,6 +57,15 @@ from .helpers import (
 )
 
 pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture(autouse=True)
+def _remove_large_files(tmp_path):
+    """These tests write about 3.5 GB; pytest keeps the temporary directories of its last three
+    runs, which would fill a small disk. Removed after the monitors are gone (fixtures end in
+    reverse order, and this one starts first)."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 MiB = 1 << 20
 

@@ -10,7 +10,9 @@ writes plus fsync, and a third of the machine's CPU time (docs/benchmarks.md).
 the file's size: :func:`buffer_size`): while one is written by a helper thread, the caller
 fills the other, and each buffer's CRC-32 is taken before it leaves. Of the last buffer, the
 whole 4 KiB blocks go the same way and the rest through the page cache, so nothing is written
-past the file's length.
+past the file's length. A caller whose bytes stay put until the file is finished (a staged
+file image: :meth:`DirectWriter.write_stable`) has its page-aligned blocks written from where
+they are, with no copy into a bounce buffer.
 
 Which files get it is decided by :func:`direct_io_for`, from the storage's mode: the monitor's
 ``direct_io`` option, which a coordinator also makes the default (:func:`mode`) for every
@@ -30,10 +32,12 @@ import fcntl
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 from typing import Literal
 
 from ckptd import failpoints
@@ -54,6 +58,7 @@ DIRECT_MIN = 32 << 20
 ALIGN = 4096
 _BUFFER = 16 << 20  # one bounce buffer (the smallest, and the size for a file of unknown size); two per file
 _BUFFER_MAX = 64 << 20
+_STABLE_IN_FLIGHT = 2  # writes straight from a caller's memory (write_stable) at once, per file
 
 _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptd-direct", initializer=lower_priority)
 _free_buffers: list[mmap.mmap] = []  # reused: a fresh mapping costs a page fault per 4 KiB
@@ -189,23 +194,28 @@ class DirectWriter(ChecksummedStream):
     def __init__(self, fd: int, size: int | None = None) -> None:
         super().__init__()
         self._fd = fd
-        import numpy as np  # here: the monitor imports this module and never writes large files
-
         self._size = buffer_size(size)  # of each buffer: ``size`` is about how large the file will be
-        self._bufs = [_take_buffer(self._size), _take_buffer(self._size)]
-        self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
+        self._bufs: list[mmap.mmap] = []  # the two bounce buffers, taken when first needed
+        self._arrays: list = []
         self._pending: list[Future | None] = [None, None]
+        self._stable: deque[Future] = deque()  # writes from callers' memory in flight, oldest first
         self._cur = 0
         self._fill = 0  # bytes in the current buffer
         self._offset = 0  # file offset of the current buffer
-        self._lock = threading.Lock()  # the O_DIRECT switch, shared by the two buffers' writes
+        self._lock = threading.Lock()  # the O_DIRECT switch, shared by the writes in flight
         self.direct = True
+        self.copied = 0  # bytes that went through the bounce buffers
 
     def write(self, b) -> int:
-        import numpy as np
+        import numpy as np  # here: the monitor imports this module and never writes large files
 
         view = memoryview(b).cast("B")
-        src = np.frombuffer(view, dtype=np.uint8) if len(view) else None
+        if not len(view):
+            return 0
+        if not self._bufs:
+            self._bufs = [_take_buffer(self._size), _take_buffer(self._size)]
+            self._arrays = [np.frombuffer(buf, dtype=np.uint8) for buf in self._bufs]
+        src = np.frombuffer(view, dtype=np.uint8)
         pos = 0
         while pos < len(view):
             n = min(len(view) - pos, self._size - self._fill)
@@ -216,7 +226,29 @@ class DirectWriter(ChecksummedStream):
             if self._fill == self._size:
                 self._send(self._size)
         self.size += len(view)
+        self.copied += len(view)
         return len(view)
+
+    def write_stable(self, b) -> int:
+        """:meth:`write` for bytes that stay alive and unchanged until :meth:`finish` or
+        :meth:`abort` has returned: where they start on a page boundary and nothing is waiting
+        in a bounce buffer, their whole blocks are written from where they are (no copy), the
+        rest as :meth:`write` does. A file written in page-aligned pieces of its own image (as
+        ``write_safetensors`` does from a staged image) goes out with no copy but its tail's."""
+        import numpy as np
+
+        view = memoryview(b).cast("B")
+        n = len(view) // ALIGN * ALIGN
+        if not (self._fill == 0 and n and np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0):
+            return self.write(view)
+        part = view[:n]
+        self._checksum(part)
+        while len(self._stable) >= _STABLE_IN_FLIGHT:
+            self._stable.popleft().result()
+        self._stable.append(_pool.submit(self._pwrite, part, self._offset))
+        self._offset += n
+        self.size += n
+        return n + self.write(view[n:])
 
     def _send(self, length: int) -> None:
         """Checksum the current buffer's ``_fill`` bytes, write its first ``length`` bytes at
@@ -273,6 +305,7 @@ class DirectWriter(ChecksummedStream):
                 data = memoryview(self._bufs[i])
                 self._checksum(data[:n])
                 self._wait(1 - i)  # nothing in flight now: O_DIRECT may be cleared for the tail
+                self._wait_stable()
                 head = n // ALIGN * ALIGN if self.direct else n
                 if head:
                     self._pwrite(data[:head], self._offset)
@@ -286,14 +319,25 @@ class DirectWriter(ChecksummedStream):
         finally:
             self.abort()
 
+    def _wait_stable(self) -> None:
+        """Wait for every write from a caller's memory; raise the first error (after all ended)."""
+        errors = []
+        while self._stable:
+            try:
+                self._stable.popleft().result()
+            except BaseException as e:  # noqa: BLE001 - every write must end before the caller's memory is free
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     def abort(self) -> None:
         """Wait for the writes in flight and hand the buffers back; raise the first write error.
         Idempotent."""
         errors = []
-        for i in (0, 1):
+        for wait in (partial(self._wait, 0), partial(self._wait, 1), self._wait_stable):
             try:
-                self._wait(i)
-            except BaseException as e:  # noqa: BLE001 - both writes must end before the buffers go back
+                wait()
+            except BaseException as e:  # noqa: BLE001 - every write must end before the buffers go back
                 errors.append(e)
         bufs, self._bufs, self._arrays = self._bufs, [], []
         for buf in bufs:

@@ -14,7 +14,9 @@ from ckptd.coordinator.staging import tensors_of
 from ckptd.coordinator.writer_process import check_picklable, in_mode, write_flat, write_flat_into
 from ckptd.errors import CheckpointConfigError
 from ckptd.metrics import FENCE_WAIT
-from ckptd.workers.safetensors_io import check_tensors
+from ckptd.workers.safetensors_io import check_tensors, plan_safetensors
+
+_METADATA = {"format": "pt"}  # the default writer's, as safetensors.torch.save_file writes it
 
 
 class StagedSaves:
@@ -81,19 +83,23 @@ class StagedSaves:
         if not leaves:
             raise CheckpointConfigError(f"state of save {name!r} holds no tensors; use save_async for other data")
         streamed = False  # the default thread writer streams each chunk out as soon as it is staged
+        plan = None  # the default writer's file, staged into as its image (see BufferSet)
         if write_fn is None:
             check_tensors(state, "state")
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
             streamed = self._writer is None and fenced
-            write_fn = (partial(write_flat_into, self._storage, path, metadata={"format": "pt"}) if self._writer is None
+            plan = plan_safetensors(state, _METADATA)
+            write_fn = (partial(write_flat_into, self._storage, path, metadata=_METADATA) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
-                                     metadata={"format": "pt"}))
+                                     metadata=_METADATA))
         elif not callable(write_fn):
             raise CheckpointConfigError(f"write_fn must be callable, got {type(write_fn).__name__}")
         elif self._writer is not None:
             check_picklable(write_fn)
         writer = self._writer
-        snap = self._staging.snapshot(name, state, leaves, fenced)
+        snap = self._staging.snapshot(name, state, leaves, fenced, plan)
+        if plan is not None:
+            write_fn = partial(write_fn, image=snap.buffers.image)
 
         def ready(buffer: Any, nbytes: int) -> None:
             with phases.phase(phases.STAGING):  # only the waits: the rest of the copy overlaps the write

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 
 from ckptd.coordinator.staged_copy import StagedCopy
+from ckptd.direct_io import ALIGN
 from ckptd.threads import lower_priority
 from ckptd.workers.dtensor import is_dtensor, local_tensor
+from ckptd.workers.safetensors_io import SafetensorsPlan
 from ckptd.workers.state_dict import map_tensors
 
 
@@ -59,8 +61,9 @@ def rebuild(state: Any, tensors: list[torch.Tensor]) -> Any:
     return map_tensors(state, replace, copy.deepcopy)
 
 
-def _layout(leaves: list[torch.Tensor]) -> tuple:
-    return tuple((t.shape, t.dtype, t.device.type == "cuda") for t in leaves)
+def _layout(leaves: list[torch.Tensor], plan: SafetensorsPlan | None = None) -> tuple:
+    return (tuple((t.shape, t.dtype, t.device.type == "cuda") for t in leaves),
+            plan.header if plan is not None else None)
 
 
 _uids = itertools.count(1)
@@ -69,19 +72,56 @@ _uids = itertools.count(1)
 class BufferSet:
     """Host tensors shaped like one state's tensors: pinned for GPU sources, or in shared memory
     (``shared``) for a writer in another process, which then reads them without a copy. ``uid``
-    names the set for the life of the process (a writer process holds sets by it)."""
+    names the set for the life of the process (a writer process holds sets by it).
 
-    def __init__(self, leaves: list[torch.Tensor], shared: bool = False) -> None:
+    With ``plan`` (the safetensors file the default writer will make of the state), CPU tensors
+    are staged straight into the file's image: one page-aligned block of bytes that holds the
+    header, with the tensors as views at their offsets (:attr:`image`), so the writer sends the
+    file from it with no further copy. Without a plan, or where that layout does not fit the
+    tensors (one that would start at an offset its dtype cannot be viewed at, or GPU sources,
+    whose pinned buffers stay one per tensor), :attr:`image` is None and each tensor gets its own buffer.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor], shared: bool = False, plan: SafetensorsPlan | None = None) -> None:
         self.uid = next(_uids)
-        self.layout = _layout(leaves)
-        if shared:
+        self.layout = _layout(leaves, plan)
+        self.image: torch.Tensor | None = None
+        if plan is not None and _image_fits(leaves, plan):
+            self.image, self.tensors = _image(leaves, plan, shared)
+        elif shared:
             self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for t in leaves]
         else:
             self.tensors = [
                 torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
                 for t in leaves
             ]
-        self.nbytes = sum(b.numel() * b.element_size() for b in self.tensors)
+        self.nbytes = (self.image.numel() if self.image is not None
+                       else sum(b.numel() * b.element_size() for b in self.tensors))
+
+    @property
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """What a writer process is sent: the tensors, then the image if there is one."""
+        return self.tensors if self.image is None else [*self.tensors, self.image]
+
+
+def _image_fits(leaves: list[torch.Tensor], plan: SafetensorsPlan) -> bool:
+    return len(leaves) == len(plan.spans) and all(
+        t.device.type == "cpu" and offset % t.element_size() == 0 and n == t.numel() * t.element_size()
+        for t, (offset, n) in zip(leaves, plan.spans))
+
+
+def _image(leaves: list[torch.Tensor], plan: SafetensorsPlan, shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A page-aligned block of ``plan.size`` bytes holding the header, and views of it shaped
+    like ``leaves`` at their offsets."""
+    block = torch.empty(plan.size + ALIGN, dtype=torch.uint8)
+    if shared:
+        block.share_memory_()  # mapped anew: align only after this
+    pad = -block.data_ptr() % ALIGN
+    image = block[pad : pad + plan.size]
+    image[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
+    views = [image[offset : offset + n].view(t.dtype).view(t.shape)
+             for t, (offset, n) in zip(leaves, plan.spans)]
+    return image, views
 
 
 class Stager:
@@ -99,8 +139,8 @@ class Stager:
         self._cond = threading.Condition()
         self.allocated_bytes = 0
 
-    def acquire(self, leaves: list[torch.Tensor]) -> BufferSet:
-        layout = _layout(leaves)
+    def acquire(self, leaves: list[torch.Tensor], plan: SafetensorsPlan | None = None) -> BufferSet:
+        layout = _layout(leaves, plan)
         with self._cond:
             while True:
                 for i, buf in enumerate(self._free):
@@ -116,7 +156,7 @@ class Stager:
                     break
                 self._cond.wait()
         try:
-            buf = BufferSet(leaves, self._shared)
+            buf = BufferSet(leaves, self._shared, plan)
         except BaseException:
             with self._cond:
                 self._count -= 1
@@ -250,10 +290,12 @@ class StagingArea:
         self._thread: StagingThread | None = None
         self._lock = threading.Lock()
 
-    def snapshot(self, name: str, state: Any, leaves: list[torch.Tensor], fenced: bool) -> Snapshot:
+    def snapshot(self, name: str, state: Any, leaves: list[torch.Tensor], fenced: bool,
+                 plan: SafetensorsPlan | None = None) -> Snapshot:
         """Copy ``leaves`` (the tensors of ``state``) into the buffers of ``name``: here, or on
         the staging thread when ``fenced`` (then :meth:`fence` waits for it). Blocks while
-        ``max_staged`` snapshots of ``name`` are held.
+        ``max_staged`` snapshots of ``name`` are held. ``plan``: the safetensors file the state
+        will be written as, to stage into its image (see :class:`BufferSet`).
 
         Raises:
             CheckpointError: an eager copy failed (the buffers are handed back).
@@ -262,7 +304,7 @@ class StagingArea:
             stager = self._stagers.get(name)
             if stager is None:
                 stager = self._stagers[name] = Stager(self._max_staged, self._shared)
-        buf = stager.acquire(leaves)
+        buf = stager.acquire(leaves, plan)
         copy_job = StagedCopy(leaves, buf)
         started = False
         try:

@@ -57,19 +57,20 @@ WRITERS = ("thread", "process")
 
 
 def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[str, str],
-                    ready: Callable | None = None) -> list[WrittenFile]:
+                    ready: Callable | None = None, image: torch.Tensor | None = None) -> list[WrittenFile]:
     """The default writer of ``save_state_async``: a flat dict of tensors into one safetensors
-    file (streamed behind the staging copy when ``ready`` is given: see ``write_safetensors``)."""
+    file (streamed behind the staging copy when ``ready`` is given, and from the staged file
+    image when there is one: see ``write_safetensors``)."""
     from ckptd.workers.safetensors_io import write_safetensors
 
     storage.makedirs(path.rsplit("/", 1)[0])
-    return [write_safetensors(storage, path, snapshot, metadata, ready)]
+    return [write_safetensors(storage, path, snapshot, metadata, ready, image)]
 
 
 def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
-               metadata: dict[str, str]) -> list[WrittenFile]:
+               metadata: dict[str, str], image: torch.Tensor | None = None) -> list[WrittenFile]:
     """:func:`write_flat_into` for a writer process, which opens the root itself."""
-    return write_flat_into(Storage(root, storage_options), path, snapshot, metadata)
+    return write_flat_into(Storage(root, storage_options), path, snapshot, metadata, image=image)
 
 
 #: What a writer process needs to fence its writes: the root, its storage options, the attempt.
@@ -219,7 +220,7 @@ class WriterProcess:
                 persistent: dict[int, tuple[int, int]] = {}
                 if buffers is not None:
                     self._hold(buffers)
-                    persistent = {id(t): (buffers.uid, i) for i, t in enumerate(buffers.tensors)}
+                    persistent = {id(t): (buffers.uid, i) for i, t in enumerate(buffers.shared_tensors)}
                 payload = io.BytesIO()
                 _JobPickler(payload, persistent).dump((fn, args))
                 self._jobs.send(("job", payload.getvalue()))
@@ -245,7 +246,7 @@ class WriterProcess:
         dropped there with the next job."""
         if buffers.uid in self._sent:
             return
-        self._jobs.send(("buffers", (buffers.uid, buffers.tensors)))
+        self._jobs.send(("buffers", (buffers.uid, buffers.shared_tensors)))
         self._sent.add(buffers.uid)
         if buffers.uid not in self._watched:
             self._watched.add(buffers.uid)

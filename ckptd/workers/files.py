@@ -83,8 +83,8 @@ def write_stream(storage: Storage, path: str, fill: Callable[[ChecksumWriter | D
                     w.abort()
                 raise
             w.finish()
-            log.debug("%s: %d bytes written %s", path, w.size,
-                      "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)")
+            log.debug("%s: %d bytes written %s, %d of them through bounce buffers", path, w.size,
+                      "with O_DIRECT" if w.direct else "buffered (O_DIRECT refused)", w.copied)
         else:
             w = ChecksumWriter(f)
             fill(w)

@@ -107,7 +107,7 @@ class BufferSet:
 def _image_fits(leaves: list[torch.Tensor], plan: SafetensorsPlan) -> bool:
     return len(leaves) == len(plan.spans) and all(
         t.device.type == "cpu" and offset % t.element_size() == 0 and n == t.numel() * t.element_size()
-        for t, (offset, n) in zip(leaves, plan.spans))
+        for t, (offset, n) in zip(leaves, plan.spans, strict=True))
 
 
 def _image(leaves: list[torch.Tensor], plan: SafetensorsPlan, shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -120,7 +120,7 @@ def _image(leaves: list[torch.Tensor], plan: SafetensorsPlan, shared: bool) -> t
     image = block[pad : pad + plan.size]
     image[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
     views = [image[offset : offset + n].view(t.dtype).view(t.shape)
-             for t, (offset, n) in zip(leaves, plan.spans)]
+             for t, (offset, n) in zip(leaves, plan.spans, strict=True)]
     return image, views
 
 

@@ -115,7 +115,8 @@ def test_a_large_fenced_save_with_direct_io_is_the_snapshot_and_commits(make_mon
     ckptd.verify(root, 1)
     if writer == "thread":  # the process writer logs in its own process
         # Written from the staged image of the file: nothing but the last partial block copied.
-        m = re.search(r"model\.safetensors: (\d+) bytes written with O_DIRECT, (\d+) of them through bounce", caplog.text)
+        m = re.search(r"model\.safetensors: (\d+) bytes written with O_DIRECT, (\d+) of them through bounce",
+                      caplog.text)
         assert m and int(m[1]) > 40 << 20 and int(m[2]) == int(m[1]) % ALIGN
     coord.close()
 

@@ -35,6 +35,7 @@ _SOURCES = {
     "retire_steps": "ckptd.retire",
     "Weights": "ckptd.rollout", "WeightSubscriber": "ckptd.rollout",
     "verify": "ckptd.verify",
+    "load_state": "ckptd.workers.state_file",
 }
 
 
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
     from ckptd.retire import retire_steps
     from ckptd.rollout import Weights, WeightSubscriber
     from ckptd.verify import verify
+    from ckptd.workers.state_file import load_state
 
 __version__ = "0.1.0"
 
@@ -115,6 +117,7 @@ __all__ = [
     "WrittenFile",
     "get_monitor",
     "latest_step",
+    "load_state",
     "resume",
     "retire_steps",
     "start_monitor",

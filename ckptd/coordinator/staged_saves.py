@@ -15,6 +15,7 @@ from ckptd.coordinator.writer_process import check_picklable, in_mode, write_fla
 from ckptd.errors import CheckpointConfigError
 from ckptd.metrics import FENCE_WAIT
 from ckptd.workers.safetensors_io import check_tensors, plan_safetensors
+from ckptd.workers.state_file import flatten, is_flat
 
 _METADATA = {"format": "pt"}  # the default writer's, as safetensors.torch.save_file writes it
 
@@ -59,8 +60,11 @@ class StagedSaves:
             state: What to save.
             global_step: The training step.
             write_fn: Writes the snapshot and returns what it wrote (paths or WrittenFile), e.g.
-                ``lambda sd: save_hf_model(out, sd, config)``. By default a flat dict of tensors
-                is written to ``{step_dir}/{name}.safetensors``.
+                ``lambda sd: save_hf_model(out, sd, config)``. By default the tensors are
+                written to ``{step_dir}/{name}.safetensors``, staged as that file's image and
+                written from it; a state that is not a flat dict of tensors (an optimizer's)
+                also gets its structure in ``{name}.state.json``. :func:`ckptd.load_state`
+                reads either back.
             is_state_dict: As for :meth:`save_async`.
             fenced: Copy on a staging thread and return at once; the training loop must call
                 :meth:`before_update` before anything changes the tensors (the optimizer
@@ -85,10 +89,15 @@ class StagedSaves:
         streamed = False  # the default thread writer streams each chunk out as soon as it is staged
         plan = None  # the default writer's file, staged into as its image (see BufferSet)
         if write_fn is None:
-            check_tensors(state, "state")
+            if is_flat(state):
+                check_tensors(state, "state")
+                flat = state
+            else:
+                flat, _ = flatten(state)  # written as the tensors and a JSON structure (state_file.py)
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
             streamed = self._writer is None and fenced
-            plan = plan_safetensors(state, _METADATA)
+            if len(flat) == len(leaves) and all(a is b for a, b in zip(flat.values(), leaves, strict=True)):
+                plan = plan_safetensors(flat, _METADATA)  # not for DTensors: their local blocks are staged
             write_fn = (partial(write_flat_into, self._storage, path, metadata=_METADATA) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
                                      metadata=_METADATA))

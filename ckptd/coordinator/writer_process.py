@@ -56,18 +56,19 @@ log = logging.getLogger("ckptd.coordinator")
 WRITERS = ("thread", "process")
 
 
-def write_flat_into(storage: Storage, path: str, snapshot: dict, metadata: dict[str, str],
+def write_flat_into(storage: Storage, path: str, snapshot: Any, metadata: dict[str, str],
                     ready: Callable | None = None, image: torch.Tensor | None = None) -> list[WrittenFile]:
-    """The default writer of ``save_state_async``: a flat dict of tensors into one safetensors
-    file (streamed behind the staging copy when ``ready`` is given, and from the staged file
-    image when there is one: see ``write_safetensors``)."""
-    from ckptd.workers.safetensors_io import write_safetensors
+    """The default writer of ``save_state_async``: the tensors into one safetensors file, and the
+    structure of a state that is not a flat dict of tensors beside it (``ckptd.workers.state_file``);
+    streamed behind the staging copy when ``ready`` is given, and from the staged file image when
+    there is one (see ``write_safetensors``)."""
+    from ckptd.workers.state_file import write_state
 
     storage.makedirs(path.rsplit("/", 1)[0])
-    return [write_safetensors(storage, path, snapshot, metadata, ready, image)]
+    return write_state(storage, path, snapshot, metadata, ready, image)
 
 
-def write_flat(root: str, storage_options: dict | None, path: str, snapshot: dict,
+def write_flat(root: str, storage_options: dict | None, path: str, snapshot: Any,
                metadata: dict[str, str], image: torch.Tensor | None = None) -> list[WrittenFile]:
     """:func:`write_flat_into` for a writer process, which opens the root itself."""
     return write_flat_into(Storage(root, storage_options), path, snapshot, metadata, image=image)

@@ -37,8 +37,6 @@ from functools import partial
 import torch
 
 import ckptd
-from ckptd.storage import Storage
-from ckptd.workers.files import write_torch
 
 from . import breakdown
 from .common import MiB, Row, fsync_tree
@@ -62,13 +60,6 @@ def python_work(ops: int) -> float:
         acc = acc + 1.0
         stats[i & 63] = stats.get(i & 63, 0.0) + i
     return float(acc[0]) + len(stats)
-
-
-def write_optim(out: str, snapshot: dict) -> list:
-    """The optimizer's state into ``out/optim.pt`` (module level: a writer process can run it)."""
-    storage = Storage(out)
-    storage.makedirs(storage.root)
-    return [write_torch(storage, storage.join("optim.pt"), snapshot)]
 
 
 class BareCheckpoint:
@@ -166,10 +157,11 @@ class _Loop:
 
     def save_ckptd(self, step: int) -> None:
         """One P3 checkpoint: the model and the optimizer, fenced, registered in the background."""
-        out = self.coord.step_dir(step)
         t0 = time.perf_counter()
+        # Both with the default writer: each is staged as its safetensors file's image and written
+        # from it (the optimizer's structure goes to optim.state.json beside it).
         self.coord.save_state_async("model", self.model.state_dict(), step, fenced=True)
-        self.coord.save_state_async("optim", self.opt.state_dict(), step, partial(write_optim, out), fenced=True)
+        self.coord.save_state_async("optim", self.opt.state_dict(), step, fenced=True)
         self.coord.register(step, checkpoint_thread_count=2, wait=False)
         self.blocked += time.perf_counter() - t0
 

@@ -14,8 +14,8 @@ from ckptd.coordinator.staging import tensors_of
 from ckptd.coordinator.writer_process import check_picklable, in_mode, write_flat, write_flat_into
 from ckptd.errors import CheckpointConfigError
 from ckptd.metrics import FENCE_WAIT
-from ckptd.workers.safetensors_io import check_tensors, plan_safetensors
-from ckptd.workers.state_file import flatten, is_flat
+from ckptd.workers.safetensors_io import plan_safetensors
+from ckptd.workers.state_file import split
 
 _METADATA = {"format": "pt"}  # the default writer's, as safetensors.torch.save_file writes it
 
@@ -89,15 +89,11 @@ class StagedSaves:
         streamed = False  # the default thread writer streams each chunk out as soon as it is staged
         plan = None  # the default writer's file, staged into as its image (see BufferSet)
         if write_fn is None:
-            if is_flat(state):
-                check_tensors(state, "state")
-                flat = state
-            else:
-                flat, _ = flatten(state)  # written as the tensors and a JSON structure (state_file.py)
+            flat, metadata, _ = split(state, _METADATA)  # a nested state also gets a JSON structure
             path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
             streamed = self._writer is None and fenced
             if len(flat) == len(leaves) and all(a is b for a, b in zip(flat.values(), leaves, strict=True)):
-                plan = plan_safetensors(flat, _METADATA)  # not for DTensors: their local blocks are staged
+                plan = plan_safetensors(flat, metadata)  # not for DTensors: their local blocks are staged
             write_fn = (partial(write_flat_into, self._storage, path, metadata=_METADATA) if self._writer is None
                         else partial(write_flat, self._root_url, self._storage.storage_options, path,
                                      metadata=_METADATA))

@@ -171,5 +171,5 @@ def load_torch(data: bytes, path: str) -> Any:
 def load_json(data: bytes, path: str) -> Any:
     try:
         return json.loads(data)
-    except json.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an int too long, nested too deep
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e

@@ -50,6 +50,9 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     for key, t in tensors.items():
         if not isinstance(key, str) or not key:
             raise CheckpointConfigError(f"{what} has a key {key!r}; keys must be non-empty strings")
+        if key == "__metadata__":
+            raise CheckpointConfigError(f"{what} has a tensor named '__metadata__', the name safetensors keeps "
+                                        "for the file's metadata; rename it")
         if not isinstance(t, torch.Tensor):
             raise CheckpointConfigError(
                 f"{what}[{key!r}] is a {type(t).__name__}, not a tensor; safetensors holds tensors only"

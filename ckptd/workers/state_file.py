@@ -7,7 +7,9 @@ keys), is two files:
     {name}.safetensors    every tensor, named by where it sits ("state/0/exp_avg")
     {name}.state.json     the structure: the containers, the plain values, and the tensors by name
 
-Both are written from the staged snapshot, the tensors from the file's staged image like a flat
+The tensors file of a nested state says so in its metadata (``"ckptd.structure"``), so a
+structure file left by another save of the same name and step is never paired with it. Both
+files are written from the staged snapshot, the tensors from the file's staged image like a flat
 state's (see :class:`~ckptd.coordinator.staging.BufferSet`), and both load back without
 unpickling anything. In the JSON, a tensor is ``{"tensor": name}``, a dict ``{"dict": [[key,
 value], ...]}`` (keys keep their type: str, int, float, bool or None), a list ``{"list": [...]}``,
@@ -35,6 +37,9 @@ SUFFIX = ".safetensors"
 STRUCTURE_SUFFIX = ".state.json"
 
 _PLAIN = (str, int, bool, type(None))
+#: The safetensors metadata entry that says a tensors file has its structure beside it.
+STRUCTURE_KEY = "ckptd.structure"
+_MAX_DEPTH = 64  # containers within containers: JSON writes and reads back far deeper, with room
 
 
 def is_flat(state: Any) -> bool:
@@ -45,11 +50,14 @@ def is_flat(state: Any) -> bool:
 
 def flatten(state: Any, what: str = "state") -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors of ``state`` by name, in :func:`~ckptd.workers.state_dict.map_tensors` order,
-    and the JSON structure that puts them back (:func:`unflatten`).
+    and the JSON structure that puts them back (:func:`unflatten`). Mappings come back as dicts;
+    every other value as its own type.
 
     Raises:
-        CheckpointConfigError: ``state`` holds something other than tensors, dicts, lists,
-            tuples, str, int, float, bool and None (or a dict key other than those plain values).
+        CheckpointConfigError: ``state`` holds something other than tensors, mappings, lists,
+            tuples, str, int, float, bool and None (subclasses such as an IntEnum or a namedtuple
+            included, since they would come back as their base type), a dict key other than those
+            plain values, an int too long for JSON, or containers more than 64 deep.
     """
     tensors: dict[str, torch.Tensor] = {}
 
@@ -58,41 +66,64 @@ def flatten(state: Any, what: str = "state") -> tuple[dict[str, torch.Tensor], d
 
     def name_of(path: list[str]) -> str:
         name = "/".join(p.strip("'") for p in path) or "tensor"
-        if name in tensors:
+        if name in tensors or name == "__metadata__":  # safetensors keeps that key for the metadata
             n = 1
             while f"{name}~{n}" in tensors:
                 n += 1
             name = f"{name}~{n}"
         return name
 
-    def key(k: Any, path: list[str]) -> Any:
-        if isinstance(k, _PLAIN) or isinstance(k, float) and math.isfinite(k):
-            return k
-        raise CheckpointConfigError(f"{where(path)} has a key {k!r} of type {type(k).__name__}; the default "
-                                    "writer keeps keys that are str, int, float, bool or None")
+    def plain(obj: Any, path: list[str], role: str) -> Any:
+        """``obj`` as JSON holds it, if it is a plain value; else raise."""
+        if type(obj) in _PLAIN:
+            if type(obj) is int:
+                try:
+                    str(obj)
+                except ValueError:  # past sys.get_int_max_str_digits(): JSON cannot hold it
+                    raise CheckpointConfigError(f"{where(path)} holds an int of {obj.bit_length()} bits, too "
+                                                "long for JSON; save it as a tensor or a string") from None
+            return obj
+        if type(obj) is float and (math.isfinite(obj) or role == "value"):
+            return obj if math.isfinite(obj) else {"float": repr(obj)}
+        raise CheckpointConfigError(
+            f"{where(path)} {'has a key' if role == 'key' else 'is'} a {type(obj).__name__} ({obj!r:.60}); "
+            "the default writer holds tensors, and dicts, lists, tuples, str, int, float, bool and None "
+            "around them (keys: str, int, float, bool or None), of exactly those types. Convert it (for "
+            "example int(x), float(x), tuple(x)), or pass a write_fn (for example one that calls "
+            "ckptd.workers.files.write_torch)")
 
     def encode(obj: Any, path: list[str]) -> Any:
         if isinstance(obj, torch.Tensor):
             name = name_of(path)
             tensors[name] = obj
             return {"tensor": name}
+        if len(path) > _MAX_DEPTH and isinstance(obj, (Mapping, list, tuple)):
+            raise CheckpointConfigError(f"{where(path[:3])}... nests containers more than {_MAX_DEPTH} deep; "
+                                        "the default writer keeps at most that many")
         if isinstance(obj, Mapping):
-            return {"dict": [[key(k, path), encode(v, [*path, repr(k)])] for k, v in obj.items()]}
-        if isinstance(obj, (list, tuple)):
+            return {"dict": [[plain(k, path, "key"), encode(v, [*path, repr(k)])] for k, v in obj.items()]}
+        if type(obj) in (list, tuple):
             items = [encode(v, [*path, str(i)]) for i, v in enumerate(obj)]
-            return {"list": items} if isinstance(obj, list) else {"tuple": items}
-        if isinstance(obj, _PLAIN):
-            return obj
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"float": repr(obj)}
-        raise CheckpointConfigError(
-            f"{where(path)} is a {type(obj).__name__}; the default writer holds tensors, and dicts, lists, "
-            "tuples, str, int, float, bool and None around them. Convert it, or pass a write_fn (for "
-            "example one that calls ckptd.workers.files.write_torch)")
+            return {"list": items} if type(obj) is list else {"tuple": items}
+        return plain(obj, path, "value")
 
     structure = {"format": FORMAT, "state": encode(state, [])}
     check_tensors(tensors, what)
     return tensors, structure
+
+
+def split(state: Any, metadata: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:
+    """What the default writer makes of ``state``: the tensors file's tensors and metadata, and
+    the structure to write beside it (None for a flat dict of tensors, written as it is).
+
+    Raises:
+        CheckpointConfigError: see :func:`flatten` and ``check_tensors``.
+    """
+    if is_flat(state):
+        check_tensors(state, "state")
+        return dict(state), dict(metadata), None
+    tensors, structure = flatten(state)
+    return tensors, {**metadata, STRUCTURE_KEY: FORMAT}, structure
 
 
 def unflatten(structure: Any, tensors: Mapping[str, torch.Tensor], path: str = "state") -> Any:
@@ -115,7 +146,10 @@ def unflatten(structure: Any, tensors: Mapping[str, torch.Tensor], path: str = "
                     raise CorruptCheckpointError(f"{path}: names tensor {value!r}, which the tensors file lacks")
                 return tensors[value]
             if tag == "dict" and isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
-                return {k: decode(v) for k, v in value}
+                built = {k: decode(v) for k, v in value}
+                if len(built) == len(value):
+                    return built
+                raise CorruptCheckpointError(f"{path}: a dict in the state structure gives a key twice")
             if tag in ("list", "tuple") and isinstance(value, list):
                 items = [decode(v) for v in value]
                 return items if tag == "list" else tuple(items)
@@ -138,11 +172,11 @@ def write_state(storage: Storage, path: str, state: Any, metadata: dict[str, str
                 ready: Any = None, image: torch.Tensor | None = None) -> list[WrittenFile]:
     """``state`` as the default writer writes it: ``path`` (safetensors), and for a state that is
     not a flat dict of tensors its structure beside it (see the module's docstring)."""
-    if is_flat(state):
-        return [write_safetensors(storage, path, state, metadata, ready, image)]
-    tensors, structure = flatten(state)
-    return [write_safetensors(storage, path, tensors, metadata, ready, image),
-            write_json(storage, structure_path(path), structure)]
+    tensors, metadata, structure = split(state, metadata)
+    written = [write_safetensors(storage, path, tensors, metadata, ready, image)]
+    if structure is not None:
+        written.append(write_json(storage, structure_path(path), structure))
+    return written
 
 
 def load_state(root: str, name: str, step: int | None = None, *, kind: str = "checkpoint",
@@ -177,9 +211,17 @@ def load_state(root: str, name: str, step: int | None = None, *, kind: str = "ch
         raise CheckpointConfigError(f"step {committed.step} has no state saved as {name!r} ({rel} is not in its "
                                     f"manifest); its default-writer states: {saved or 'none'}")
     path = f"{committed.path}/{rel}"
-    tensors, _ = read_safetensors(storage, path, committed.files[rel])
+    tensors, metadata = read_safetensors(storage, path, committed.files[rel])
+    if not tensors:
+        raise CorruptCheckpointError(f"{path}: holds no tensors, which the default writer never writes")
+    if STRUCTURE_KEY not in metadata:
+        return tensors  # a flat state (a structure file beside it is another save's, not this one's)
+    if metadata[STRUCTURE_KEY] != FORMAT:
+        raise CorruptCheckpointError(f"{path}: its structure is in format {metadata[STRUCTURE_KEY]!r}; this "
+                                     f"version of ckptd reads {FORMAT!r}")
     srel = name + STRUCTURE_SUFFIX
-    if srel not in committed.files:
-        return tensors
     spath = f"{committed.path}/{srel}"
+    if srel not in committed.files:
+        raise CorruptCheckpointError(f"{path}: its state's structure should be in {spath}, which the step's "
+                                     "manifest does not list")
     return unflatten(load_json(read_verified(storage, spath, committed.files[srel]), spath), tensors, spath)

@@ -48,3 +48,36 @@ def large_step(root: str, step: int = 1, touch=None):
     plan = CommitPlan(step=step, kinds=[Kind.CHECKPOINT], reports=reports, units={Kind.CHECKPOINT: sorted(reports)},
                       sd_units=set())
     return committer, plan
+
+
+def write_streamed(tmp_path, state: dict, plan=None, metadata=None):
+    """``state`` staged into a buffer set (the file's image with ``plan``) by a copy on another
+    thread, and written with ``write_safetensors`` behind that copy into ``tmp_path/out``.
+    Returns the WrittenFile, the file's path, what the write waited for, as (key, bytes), and
+    the buffer set."""
+    import threading
+
+    from ckptd.coordinator.staging import BufferSet, StagedCopy
+    from ckptd.storage import Storage
+    from ckptd.workers.safetensors_io import write_safetensors
+
+    leaves = list(state.values())
+    buf = BufferSet(leaves, plan=plan)
+    copy = StagedCopy(leaves, buf)
+    staged = dict(zip(state, buf.tensors, strict=True))
+    asked: list[tuple[str, int]] = []
+    names = {id(t): k for k, t in staged.items()}
+
+    def ready(t, n):
+        copy.wait_staged(t, n)
+        asked.append((names[id(t)], n))
+
+    copier = threading.Thread(target=copy.run)
+    copier.start()
+    try:
+        path = str(tmp_path / "out" / "model.safetensors")
+        storage = Storage(str(tmp_path))
+        storage.makedirs(str(tmp_path / "out"))
+        return write_safetensors(storage, path, staged, metadata, ready, buf.image), path, asked, buf
+    finally:
+        copier.join()

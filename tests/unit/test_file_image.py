@@ -8,7 +8,6 @@ import logging
 import mmap
 import os
 import random
-import threading
 import zlib
 
 import pytest
@@ -20,6 +19,7 @@ from ckptd.coordinator.staging import BufferSet, StagedCopy
 from ckptd.direct_io import ALIGN, DirectWriter, filesystem_type
 from ckptd.storage import Storage
 from ckptd.workers.safetensors_io import is_image, plan_safetensors, write_safetensors
+from tests.unit.helpers import write_streamed
 
 META = {"format": "pt"}
 
@@ -180,25 +180,9 @@ def test_an_image_that_is_not_the_tensors_file_is_ignored(tmp_path):
 
 def test_a_write_from_the_image_streams_behind_the_copy_tensor_by_tensor(tmp_path):
     state = {"a": torch.randn((20 << 20) // 4), "b": torch.randn(5, 7), "c": torch.randn((30 << 20) // 4 + 1)}
-    plan = plan_safetensors(state, META)
-    leaves = list(state.values())
-    buf = BufferSet(leaves, plan=plan)
-    copy = StagedCopy(leaves, buf)
-    staged = dict(zip(state, buf.tensors, strict=True))
-    names = {id(t): k for k, t in staged.items()}
-    asked: list[tuple[str, int]] = []
-
-    def ready(t, n):
-        copy.wait_staged(t, n)
-        asked.append((names[id(t)], n))
-
-    copier = threading.Thread(target=copy.run)
-    copier.start()
-    try:
-        write_safetensors(Storage(str(tmp_path)), str(tmp_path / "f.safetensors"), staged, META, ready, buf.image)
-    finally:
-        copier.join()
-    loaded = load_file(str(tmp_path / "f.safetensors"))
+    _, path, asked, buf = write_streamed(tmp_path, state, plan_safetensors(state, META), META)
+    assert buf.image is not None
+    loaded = load_file(path)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     # Every tensor was waited for, in order, up to its whole size before the piece holding its end.
     last = {}

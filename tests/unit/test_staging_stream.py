@@ -14,6 +14,7 @@ from ckptd.coordinator.staging import BufferSet, StagedCopy, StagingArea
 from ckptd.errors import CheckpointError
 from ckptd.storage import Storage
 from ckptd.workers.safetensors_io import write_safetensors
+from tests.unit.helpers import write_streamed
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -27,26 +28,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _streamed(tmp_path, state):
-    leaves = list(state.values())
-    buf = BufferSet(leaves)
-    copy = StagedCopy(leaves, buf)
-    staged = dict(zip(state, buf.tensors, strict=True))
-    asked: list[tuple[str, int]] = []
-    names = {id(t): k for k, t in staged.items()}
-
-    def ready(t, n):
-        copy.wait_staged(t, n)
-        asked.append((names[id(t)], n))
-
-    copier = threading.Thread(target=copy.run)
-    copier.start()
-    try:
-        path = str(tmp_path / "out" / "model.safetensors")
-        storage = Storage(str(tmp_path))
-        storage.makedirs(str(tmp_path / "out"))
-        return write_safetensors(storage, path, staged, ready=ready), path, asked
-    finally:
-        copier.join()
+    return write_streamed(tmp_path, state)[:3]
 
 
 def test_a_write_streamed_behind_the_copy_holds_the_state_and_its_checksum(tmp_path):

@@ -134,8 +134,15 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         # before anything can commit them.
         self._ledger.expire(time.time())
         for rec in rebuilt.steps:
-            self._spawn(self._after_change(rec))
+            self._spawn(self._resume_step(rec))
         self._retention.schedule()
+
+    async def _resume_step(self, rec) -> None:
+        """A step in flight when this monitor started: a unit that failed before the restart may
+        have replaced a file of its committed state dict (see ``withdraw_if_changed``)."""
+        if any(u.failure is not None for u in rec.units.values()):
+            await self.withdraw_if_changed(rec, "a unit of the step failed before the monitor restarted")
+        await self._after_change(rec)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_event_loop().create_task(coro)

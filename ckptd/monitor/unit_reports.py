@@ -183,7 +183,30 @@ class UnitReports:
         unit = rec.units.get(uid.key)
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
             self._metrics.inc(FAILED_UNITS, kind=uid.kind)
+        await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
         await self._after_change(rec)
+
+    async def withdraw_if_changed(self, rec: StepRecord, after: str) -> bool:
+        """Withdraw the committed state dict of ``rec`` if storage no longer holds the files its
+        manifest lists (True if it did), while the step's full checkpoint may still come.
+
+        A failed unit reports no files, but it may have replaced one before it failed (a writer
+        that publishes two files, a ``save_fn`` that writes and then raises); a finished unit's
+        report is checked against the same list in :meth:`_finished`. Storage decides: every
+        listed file is checksummed, which only happens for a step whose state dict committed and
+        one of whose units failed."""
+        if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
+                or self._ledger.state_of(rec.step, Kind.CHECKPOINT) in (StepState.COMMITTED, StepState.COMMITTING)
+                or not rec[SD].committed_files):
+            return False
+        gone = await self._in_thread(self._committer.differs, rec.step, list(rec[SD].committed_files.values()))
+        if not gone:
+            return False
+        await self._revoke_state_dict(rec, (
+            f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
+            "lists (the unit replaced it before it failed): committed files must not change, so that state "
+            "dict is withdrawn. Write the full checkpoint's files under other names, or save into a new step"))
+        return True
 
 
 def _parse(event: str, unit: Any, payload: Any) -> tuple[UnitId, Any]:

@@ -15,6 +15,7 @@ from ckptd.verify import CommittedStep, open_step, read_file
 from ckptd.workers import reshard
 from ckptd.workers.dtensor import GROUPS_FILE, is_dtensor
 from ckptd.workers.files import load_json, load_torch
+from ckptd.workers.state_file import read_state, saved_states
 from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
 from ckptd.workers.weights import locate, read_weights
 
@@ -53,6 +54,7 @@ def resume(
     *,
     model: Any = None,
     optimizer: Any = None,
+    optimizer_name: str | None = None,
     lr_scheduler: Any = None,
     dataloader: Any = None,
     rank: int = 0,
@@ -79,6 +81,11 @@ def resume(
         optimizer, lr_scheduler, dataloader: Objects with ``load_state_dict``; each gets the
             state saved by :func:`ckptd.workers.save_training_state` (this rank's, for the first
             two; ``data.pt`` for the dataloader).
+        optimizer_name: Load the optimizer from the state that ``save_state_async(optimizer_name,
+            optimizer.state_dict(), step)`` saved with the default writer
+            (:func:`ckptd.load_state`), instead of this rank's file of ``save_training_state``
+            or a sharded state's. The name is taken as it is, on any world size: a state each
+            rank saved under its own name is found by that name.
         rank: This rank.
         world_size: This run's number of ranks, if known. On another world size than the
             checkpoint's, a sharded state (:func:`ckptd.workers.sharded_state`) is re-sharded
@@ -109,6 +116,10 @@ def resume(
         CheckpointError: ``step`` is not committed (on either tier, with a mirror).
     """
     check_step(rank, "rank")
+    if optimizer_name is not None and (optimizer is None or not isinstance(optimizer_name, str) or not optimizer_name):
+        raise CheckpointConfigError(
+            f"optimizer_name={optimizer_name!r}: give the name the optimizer's state was saved under with "
+            "save_state_async (a non-empty str), together with optimizer= to load it into")
     if step is not None:
         check_step(step, "step")
     storage, committed = _choose_tier(Storage(root, storage_options), step, mirror, mirror_storage_options)
@@ -122,11 +133,12 @@ def resume(
         running = RunningState.model_validate(load_json(read_file(storage, committed, prefix + RUNNING_STATES), path))
 
     # Read and check everything first; change nothing until all of it loaded.
-    sharded_dir = _sharded_state_dir(storage, committed, model, optimizer, model_dir)
+    sharded_dir = _sharded_state_dir(storage, committed, model, None if optimizer_name else optimizer, model_dir)
     try:
         apply = _read_all(storage, committed, running, prefix, sharded_dir, model=model, optimizer=optimizer,
-                          lr_scheduler=lr_scheduler, dataloader=dataloader, rank=rank, world_size=world_size,
-                          model_dir=model_dir, restore_rng=restore_rng, adapter_name=adapter_name)
+                          optimizer_name=optimizer_name, lr_scheduler=lr_scheduler, dataloader=dataloader,
+                          rank=rank, world_size=world_size, model_dir=model_dir, restore_rng=restore_rng,
+                          adapter_name=adapter_name)
     except Exception:
         if sharded_dir is not None:
             reshard.agree(False)  # the other ranks must not go on with their part alone
@@ -166,19 +178,22 @@ def _sharded_state_dir(storage: Storage, committed: CommittedStep, model: Any, o
 
 
 def _read_all(storage: Storage, committed: CommittedStep, running: RunningState | None, prefix: str,
-              sharded_dir: str | None, *, model, optimizer, lr_scheduler, dataloader, rank: int,
+              sharded_dir: str | None, *, model, optimizer, optimizer_name, lr_scheduler, dataloader, rank: int,
               world_size: int | None, model_dir: str | None, restore_rng: bool, adapter_name: str) -> list:
     apply = []
     moved = running is not None and world_size is not None and running.world_size != world_size
     if sharded_dir is not None:
-        has_optimizer = f"{sharded_dir}/{GROUPS_FILE}".lstrip("/") in committed.files
+        has_optimizer = optimizer_name is None and f"{sharded_dir}/{GROUPS_FILE}".lstrip("/") in committed.files
         apply.append(reshard.load_sharded_state(storage, committed, sharded_dir, model,
                                                 optimizer if has_optimizer else None))
         if has_optimizer:
             optimizer = None  # loaded with the model, on any world size
     elif model is not None:
         apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
-    if optimizer is not None:
+    if optimizer_name is not None:
+        optimizer_state = read_state(storage, committed, optimizer_name)
+        apply.append(lambda: optimizer.load_state_dict(optimizer_state))
+    elif optimizer is not None:
         if moved:
             raise CheckpointConfigError(
                 f"step {committed.step} holds optimizer state of {running.world_size} ranks, one per rank, "
@@ -186,7 +201,8 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
                 "ckptd.workers.sharded_state(model, optimizer) to resume on another world size, resume with "
                 "the same world size, or leave optimizer=None and start it fresh"
             )
-        optimizer_state = _load(storage, committed, prefix + rank_file("optimizer", rank), "optimizer")
+        optimizer_state = _load(storage, committed, prefix + rank_file("optimizer", rank), "optimizer",
+                                "optimizer_name=")
         apply.append(lambda: optimizer.load_state_dict(optimizer_state))
     if lr_scheduler is not None:
         scheduler_state = _scheduler_state(storage, committed, prefix, rank, running if moved else None)
@@ -249,11 +265,13 @@ def _choose_tier(local: Storage, step: int | None, mirror: str | None,
     return local, here
 
 
-def _load(storage: Storage, committed: CommittedStep, rel: str, what: str) -> Any:
+def _load(storage: Storage, committed: CommittedStep, rel: str, what: str, by_name: str | None = None) -> Any:
     if rel not in committed.files:
+        named = saved_states(committed) if by_name else []
+        hint = f", pass {by_name} with the name it was saved under ({named})" if named else ""
         raise CheckpointConfigError(
             f"step {committed.step} has no {what} state ({rel} is not in its manifest); it has "
-            f"{_summary(committed)}. Pass state_dir= if it was written elsewhere, or leave {what}=None"
+            f"{_summary(committed)}. Pass state_dir= if it was written elsewhere{hint}, or leave {what}=None"
         )
     return load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
 

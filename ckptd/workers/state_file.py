@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.workers.files import load_json, read_verified, write_json
 from ckptd.workers.safetensors_io import check_tensors, write_safetensors
+
+if TYPE_CHECKING:
+    from ckptd.verify import CommittedStep
 
 FORMAT = "ckptd.state/1"
 SUFFIX = ".safetensors"
@@ -199,17 +202,32 @@ def load_state(root: str, name: str, step: int | None = None, *, kind: str = "ch
         CorruptCheckpointError: a file differs from its manifest entry, or is malformed.
     """
     from ckptd.verify import open_step
-    from ckptd.workers.mapped import read_safetensors
 
     storage = Storage(root, storage_options)
     committed = open_step(storage, step, parse_kind(kind) if step is None else None)
     if committed is None:
         raise CheckpointError(f"no {kind} is committed under {storage.url}")
+    return read_state(storage, committed, name)
+
+
+def saved_states(committed: CommittedStep) -> list[str]:
+    """The names of the default-writer states of a committed step."""
+    return sorted(f.removesuffix(SUFFIX) for f in committed.files if f.endswith(SUFFIX) and "/" not in f)
+
+
+def read_state(storage: Storage, committed: CommittedStep, name: str) -> Any:
+    """The state saved as ``name`` in the committed step (see :func:`load_state`).
+
+    Raises:
+        CheckpointConfigError: the step holds no state saved as ``name``.
+        CorruptCheckpointError: a file differs from its manifest entry, or is malformed.
+    """
+    from ckptd.workers.mapped import read_safetensors
+
     rel = name + SUFFIX
     if rel not in committed.files:
-        saved = sorted(f.removesuffix(SUFFIX) for f in committed.files if f.endswith(SUFFIX) and "/" not in f)
         raise CheckpointConfigError(f"step {committed.step} has no state saved as {name!r} ({rel} is not in its "
-                                    f"manifest); its default-writer states: {saved or 'none'}")
+                                    f"manifest); its default-writer states: {saved_states(committed) or 'none'}")
     path = f"{committed.path}/{rel}"
     tensors, metadata = read_safetensors(storage, path, committed.files[rel])
     if not tensors:

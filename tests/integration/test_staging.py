@@ -220,30 +220,32 @@ def test_an_optimizer_state_saved_by_the_default_writer_loads_back_into_the_opti
         make_monitor, tmp_path, caplog, writer, fenced):
     """An optimizer's state dict (int keys, tuples, plain values) with no write_fn: its tensors go
     to one safetensors file written from the staged image and its structure to JSON; load_state
-    gives back the state as it was at the call, which the optimizer takes and steps on exactly as
-    the original would have."""
+    gives back the state as it was at the call. ckptd.resume, given the save's name, restores a
+    fresh model and optimizer from the two saves, and they step on exactly as the originals would
+    have."""
     root = str(tmp_path / "ckpt")
     coord = ckptd.CheckpointCoordinator(make_monitor(root, direct_io="on"), worker_id="w0", writer=writer)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.Linear(4096, 1024))  # 24 MiB of moments
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 
-    def step():
+    def step(model, opt):
         opt.zero_grad()
         model(torch.ones(8, 512)).square().mean().backward()
         opt.step()
 
-    step()
+    step(model, opt)
     want = copy.deepcopy(opt.state_dict())
     weights = copy.deepcopy(model.state_dict())
     with caplog.at_level(logging.DEBUG, logger="ckptd.files"):
+        coord.save_state_async("model", model.state_dict(), 1, fenced=fenced)
         coord.save_state_async("optim", opt.state_dict(), 1, fenced=fenced)
         coord.before_update()
-        step()  # changes the moments in place after the fence
-        coord.register(1, checkpoint_thread_count=1)
+        step(model, opt)  # changes the weights and moments in place after the fence
+        coord.register(1, checkpoint_thread_count=2)
         coord.wait_committed(1, timeout_s=120)
     assert sorted(os.listdir(f"{root}/global_step_1")) == [
-        "ckptd_manifest.json", "optim.safetensors", "optim.state.json"]
+        "ckptd_manifest.json", "model.safetensors", "optim.safetensors", "optim.state.json"]
     got = ckptd.load_state(root, "optim")
     assert got["param_groups"] == want["param_groups"] and list(got["state"]) == list(want["state"])
     for i, per in want["state"].items():
@@ -251,18 +253,18 @@ def test_an_optimizer_state_saved_by_the_default_writer_loads_back_into_the_opti
     if writer == "thread":  # written from the staged image: no bounce copy but the last block's
         m = re.search(r"optim\.safetensors: (\d+) bytes written with O_DIRECT, (\d+) of them", caplog.text)
         assert m and int(m[2]) == int(m[1]) % 4096
-    # The loaded state resumes the optimizer exactly where the checkpoint left it.
-    model.load_state_dict(weights)
-    opt.load_state_dict(got)
-    step()
+    # A fresh model and optimizer resume exactly where the checkpoint left them.
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.Linear(4096, 1024))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    state = ckptd.resume(root, model=fresh, optimizer=fresh_opt, optimizer_name="optim", restore_rng=False)
+    assert state.step == 1
+    step(fresh, fresh_opt)
     again = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.Linear(4096, 1024))
     again.load_state_dict(weights)
     ref = torch.optim.AdamW(again.parameters(), lr=0.01)
     ref.load_state_dict(want)
-    ref.zero_grad()
-    again(torch.ones(8, 512)).square().mean().backward()
-    ref.step()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    step(again, ref)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), again.parameters(), strict=True))
     coord.close()
 
 
@@ -279,6 +281,19 @@ def test_load_state_refuses_a_missing_name_and_a_changed_structure(make_monitor,
     text = open(path).read()
     with open(path, "w") as f:
         f.write(text.replace("0.5", "0.7"))  # same size: only the checksum tells
+    # resume: a wrong name, or none, is refused before the optimizer changes, naming the states.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"no state saved as 'optimizer'.*\['model', 'optim'\]"):
+        ckptd.resume(root, optimizer=opt, optimizer_name="optimizer")
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"pass optimizer_name= .*\['model', 'optim'\]"):
+        ckptd.resume(root, optimizer=opt)
+    with pytest.raises(ckptd.CheckpointConfigError, match="together with optimizer="):
+        ckptd.resume(root, optimizer_name="optim")
+    assert opt.state_dict() == before
     with pytest.raises(ckptd.CorruptCheckpointError, match="optim.state.json"):
         ckptd.load_state(root, "optim")
+    with pytest.raises(ckptd.CorruptCheckpointError, match="optim.state.json"):
+        ckptd.resume(root, optimizer=opt, optimizer_name="optim")
+    assert opt.state_dict() == before
     coord.close()

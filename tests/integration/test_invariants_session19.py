@@ -145,13 +145,13 @@ def _timed(fn):
     return result, time.monotonic() - t0
 
 
-def _pair(monitor, root: str, step: int, units: int = 2):
+def _pair(monitor, root: str, step: int, units: int = 2, quick_s: float = SHORT_S):
     """The patient coordinator (notify_timeout_s=LONG_S) starts the node relay with one finished
-    unit of ``step`` (registered with ``units``); the quick one (SHORT_S) shares that relay."""
+    unit of ``step`` (registered with ``units``); the quick one (``quick_s``) shares that relay."""
     patient = ckptd.CheckpointCoordinator(monitor, worker_id="wl", notify_timeout_s=LONG_S)
     patient.register(step, checkpoint_thread_count=units)
     patient.save_sync(lambda: write_step_file(root, step, "l.bin"), step)  # starts the node relay
-    quick = ckptd.CheckpointCoordinator(monitor, worker_id="ws", notify_timeout_s=SHORT_S)
+    quick = ckptd.CheckpointCoordinator(monitor, worker_id="ws", notify_timeout_s=quick_s)
     return patient, quick
 
 
@@ -282,11 +282,12 @@ def test_a_short_timeout_bounds_wait_all_save_sync_register_and_close_when_the_m
     """I4 (dead monitor): the monitor is gone for good (ray.kill, no restart) and no job has
     started another. Through a relay started by a coordinator with notify_timeout_s=120, the quick
     coordinator's wait_all (a unit that reports its end), save_sync (a unit that asks to start),
-    register and close each return within a bound set by its own 3 s timeout; what it saved is
-    reported failed, and its save_sync never ran the save function."""
+    register and close each return within a bound set by its own 1.5 s timeout (up to four of
+    them each: through the relay, then straight, for the report and then for its failure); what it
+    saved is reported failed, and its save_sync never ran the save function."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, node_relay=True)
-    patient, quick = _pair(monitor, root, 1)
+    patient, quick = _pair(monitor, root, 1, quick_s=SHORT_S / 2)
     entered, release = threading.Event(), threading.Event()
 
     def held() -> list[str]:

@@ -16,7 +16,9 @@ or replaced by a new job on the same root), real writer processes and a real fil
    rewrites, failing between the two files: no manifest may keep claiming the replaced bytes.
    This broke (the state-dict manifest and tracker stayed on a step that no longer verified: a
    failed unit's report was never checked against the committed state dict, only a finished
-   one's); fixed in ``UnitReports.withdraw_if_changed``, which withdraws that state dict.
+   one's); fixed in ``UnitReports.withdraw_if_changed``, which withdraws that state dict. Also
+   when the monitor learns of that failure only from its receipt, after a restart (the unit's
+   process and its notification died while the monitor was frozen): ``actor._resume_step``.
 3. A unit of an old job (a coordinator that outlived its job) held just before either file, or
    between the two, while a new job commits the step: neither of its files is published into the
    new job's step (save thread and writer process), the old unit fails naming both attempts.
@@ -29,6 +31,8 @@ or replaced by a new job on the same root), real writer processes and a real fil
 from __future__ import annotations
 
 import copy
+import glob
+import json
 import os
 import resource
 import shutil
@@ -40,6 +44,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import pytest
+import ray
 import torch
 
 import ckptd
@@ -47,6 +52,7 @@ from ckptd.commit import TMP_PREFIX
 from ckptd.workers import state_file
 
 from .helpers import (
+    actor_gone,
     assert_trackers_verified,
     read_manifest,
     restart_monitor,
@@ -324,6 +330,78 @@ def test_a_checkpoint_unit_that_replaces_a_committed_state_dicts_tensors_file_th
     # The tensors file of step 3 is now the failed unit's: the monitor withdrew the state dict
     # that listed the old one, so no tracker names a step whose manifest lists bytes that are gone.
     assert read_manifest(root, 3, SD) is None
+    assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
+    coord.close()
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class _HeldSaver:
+    """A coordinator in its own process. Its nested save waits before the structure file until
+    the file ``gate`` exists (after creating ``{gate}.waiting``), under a file-size limit that
+    then fails that file."""
+
+    def __init__(self, run: str) -> None:
+        self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id="w1")
+
+    def ping(self) -> bool:
+        return True
+
+    def save(self, step: int, gate: str) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        original = state_file.write_json
+
+        def held(storage, path, *args, **kwargs):
+            if path.endswith(".state.json"):
+                open(f"{gate}.waiting", "w").close()
+                wait_for(lambda: os.path.exists(gate), timeout_s=DEADLINE_S, what="the gate")
+            return original(storage, path, *args, **kwargs)
+
+        state_file.write_json = held
+        self.coord.save_state_async("optim", _optim(33, big_structure=True), step)
+
+
+def test_a_unit_that_replaced_a_committed_state_dicts_file_and_failed_unheard_is_withdrawn_by_a_restart(
+        make_monitor, tmp_path, run_name):
+    """Case 2 with the failure known only from its receipt: the checkpoint unit of step 3 runs in
+    another process, and replaces the committed state dict's tensors file. The monitor is frozen
+    (SIGSTOP) before the unit fails, so its "failed" notification waits; that process is killed
+    once the failure receipt is written (the notification dies with it), then the monitor is
+    SIGKILLed. The restarted monitor rebuilds step 3 from the receipts (a failed unit, a
+    committed state dict) and must withdraw that state dict by itself: nothing will tell it."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(2, checkpoint_thread_count=1)
+    coord.save_state_async("optim", _optim(2), 2)
+    coord.wait_committed(2, timeout_s=DEADLINE_S)
+    coord.register(3, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_state_async("optim", _optim(3), 3, is_state_dict=True)
+    coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
+    coord.register(3, checkpoint_thread_count=1)
+    assert assert_trackers_verified(root) == {CKPT: 2, SD: 3}
+
+    saver = _HeldSaver.remote(run_name)
+    gate = str(tmp_path / "gate")
+    ray.get(saver.save.remote(3, gate))
+    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the unit to reach its structure")
+    attempt = ray.get(monitor.ping.remote())["attempt"]
+    receipt = [p for p in glob.glob(f"{root}/.ckptd/pending/{attempt}/3/unit-*.json")
+               if json.load(open(p))["unit"]["worker"] == "w1"]
+    assert len(receipt) == 1 and json.load(open(receipt[0]))["status"] == "started"
+    pid = ray.get(monitor.ping.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        open(gate, "w").close()
+        wait_for(lambda: json.load(open(receipt[0]))["status"] == "failed", timeout_s=DEADLINE_S,
+                 what="the failure receipt")
+        ray.kill(saver)
+        wait_for(lambda: actor_gone(saver), what="the saver's process to end")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != pid, what="the monitor to restart")
+    _assert_failed(coord, 3)
+    wait_for(lambda: read_manifest(root, 3, SD) is None, timeout_s=DEADLINE_S,
+             what="the restarted monitor to withdraw the state dict of step 3")
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
     coord.close()
 

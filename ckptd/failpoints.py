@@ -37,6 +37,7 @@ FAILPOINTS: dict[str, str] = {
     "after_publish": "monitor: a manifest or tracker was published, then its publish raised (outcome uncertain)",
     "settle_sync": "monitor: settling an uncertain publish found it on storage, before syncing it again",
     "before_failure_record": "monitor: a step failed, before its failure record is written",
+    "before_revoke": "monitor: a committed state dict whose files changed is withdrawn, before its manifest goes",
     "before_lease_record_removed": "monitor: a read lease was released, before its record under the root is deleted",
     "before_step_delete": "monitor: retention is about to delete a step directory",
     "after_mirror_file": "monitor: one file of a step was uploaded to the mirror and verified",

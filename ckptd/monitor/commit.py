@@ -313,6 +313,7 @@ class Committer:
         """Take back a commit whose files changed: remove the manifest, then point the tracker
         of ``kind`` at the newest step still committed (or remove it). Returns that step."""
         check_fence(self.storage, self.attempt)
+        failpoints.hit("before_revoke")
         name = find_step_dir(self.storage, step, self.template)
         if name is not None:
             self.storage.rm(self.storage.join(name, MANIFESTS[kind]))

@@ -257,14 +257,31 @@ class CommitFlow:
 
     async def _revoke_state_dict(self, rec: StepRecord, reason: str) -> None:
         """Withdraw the committed state dict of ``rec``: its manifest goes, the state-dict tracker
-        is pointed back at the newest step still committed, and the kind is failed with ``reason``."""
-        async with self._tracker_lock:
+        is pointed back at the newest step still committed, and the kind is failed with ``reason``.
+
+        Storage errors are retried until the manifest is gone, however long that takes: until
+        then the manifest (and a tracker naming the step) claims files that are no longer there.
+        A fenced monitor stops: it publishes nothing any more, and the newer job's monitor checks
+        what it finds when it starts."""
+        tries = 0
+        while True:
             try:
-                newest = await self._in_thread(self._committer.revoke, rec.step, SD)
-                self._trackers[SD] = newest
-                self._announce()
-            except Exception as e:
+                async with self._tracker_lock:
+                    newest = await self._in_thread(self._committer.revoke, rec.step, SD)
+                    self._trackers[SD] = newest
+                    self._announce()
+                break
+            except FencedError as e:
+                self._fenced = str(e)
                 log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
+                break
+            except Exception as e:
+                tries += 1
+                delay = min(_RETRY_BASE_S * 2**tries, _MAX_FAILURE_RETRY_S)
+                log.error("could not withdraw the state dict of step %d: %s: %s; retry %d in %.2f s", rec.step,
+                          type(e).__name__, e, tries, delay)
+                self._metrics.inc(RETRIED_REQUESTS, request="revoke")
+                await asyncio.sleep(delay)
         self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)
 

@@ -54,6 +54,7 @@ from ckptd.workers import state_file
 from .helpers import (
     actor_gone,
     assert_trackers_verified,
+    failpoint_env,
     read_manifest,
     restart_monitor,
     start_new_job,
@@ -303,15 +304,20 @@ def test_a_structure_write_failing_after_the_tensors_file_never_commits_nor_afte
 # -- 2: a committed state dict's file pair rewritten by a unit that then fails ---------------------
 
 
+@pytest.mark.parametrize("revoke_fails", [False, True], ids=["", "revoke-fails-once"])
 def test_a_checkpoint_unit_that_replaces_a_committed_state_dicts_tensors_file_then_fails_withdraws_it(
-        make_monitor, tmp_path):
+        make_monitor, tmp_path, revoke_fails):
     """Trinity's save_state_dict(S) then save_checkpoint(S): the state dict of step 3 commits with
     the nested "optim" (both files); a checkpoint unit of step 3 saves "optim" again with other
     tensors, publishes the tensors file (replacing the committed one) and fails writing its
     structure (EFBIG). The unit and the full checkpoint fail; no manifest may keep claiming the
-    replaced bytes, and the state-dict tracker must name a step that verifies."""
+    replaced bytes, and the state-dict tracker must name a step that verifies. With
+    ``revoke_fails``, the first withdrawal raises (storage refusing it, as the failpoint
+    before_revoke does): the monitor must try again, not leave the manifest behind."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
+    once = tmp_path / "once"
+    monitor = make_monitor(root, **({"runtime_env": failpoint_env("before_revoke=raise", once)} if revoke_fails
+                                    else {}))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     coord.register(2, checkpoint_thread_count=1)
     coord.save_state_async("optim", _optim(2), 2)
@@ -331,14 +337,15 @@ def test_a_checkpoint_unit_that_replaces_a_committed_state_dicts_tensors_file_th
     # that listed the old one, so no tracker names a step whose manifest lists bytes that are gone.
     assert read_manifest(root, 3, SD) is None
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
+    assert (once / "before_revoke").exists() == revoke_fails
     coord.close()
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class _HeldSaver:
     """A coordinator in its own process. Its nested save waits before the structure file until
-    the file ``gate`` exists (after creating ``{gate}.waiting``), under a file-size limit that
-    then fails that file."""
+    the file ``gate`` exists (after creating ``{gate}.waiting``); with ``fail``, under a file-size
+    limit that then fails that file."""
 
     def __init__(self, run: str) -> None:
         self.coord = ckptd.CheckpointCoordinator(ckptd.get_monitor(run), worker_id="w1")
@@ -346,8 +353,9 @@ class _HeldSaver:
     def ping(self) -> bool:
         return True
 
-    def save(self, step: int, gate: str) -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    def save(self, step: int, gate: str, fail: bool) -> None:
+        if fail:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         original = state_file.write_json
 
         def held(storage, path, *args, **kwargs):
@@ -357,17 +365,19 @@ class _HeldSaver:
             return original(storage, path, *args, **kwargs)
 
         state_file.write_json = held
-        self.coord.save_state_async("optim", _optim(33, big_structure=True), step)
+        self.coord.save_state_async("optim", _optim(33, big_structure=fail), step)
 
 
-def test_a_unit_that_replaced_a_committed_state_dicts_file_and_failed_unheard_is_withdrawn_by_a_restart(
-        make_monitor, tmp_path, run_name):
-    """Case 2 with the failure known only from its receipt: the checkpoint unit of step 3 runs in
-    another process, and replaces the committed state dict's tensors file. The monitor is frozen
-    (SIGSTOP) before the unit fails, so its "failed" notification waits; that process is killed
-    once the failure receipt is written (the notification dies with it), then the monitor is
-    SIGKILLed. The restarted monitor rebuilds step 3 from the receipts (a failed unit, a
-    committed state dict) and must withdraw that state dict by itself: nothing will tell it."""
+@pytest.mark.parametrize("outcome", ["failed", "finished"])
+def test_a_unit_that_replaced_a_committed_state_dicts_file_unheard_is_refused_by_a_restart(
+        make_monitor, tmp_path, run_name, outcome):
+    """Case 2 with the unit's outcome known only from its receipt: the checkpoint unit of step 3
+    runs in another process and replaces the committed state dict's tensors file. The monitor is
+    frozen (SIGSTOP) before the unit ends (failing its structure file, or writing it), so its
+    notification waits; that process is killed once the receipt is written (the notification dies
+    with it), then the monitor is SIGKILLed. The restarted monitor rebuilds step 3 from the
+    receipts (the unit, a committed state dict) and must, by itself, withdraw that state dict and
+    fail the full checkpoint, as it would have on hearing the unit: nothing will tell it."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -382,7 +392,7 @@ def test_a_unit_that_replaced_a_committed_state_dicts_file_and_failed_unheard_is
 
     saver = _HeldSaver.remote(run_name)
     gate = str(tmp_path / "gate")
-    ray.get(saver.save.remote(3, gate))
+    ray.get(saver.save.remote(3, gate, outcome == "failed"))
     wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the unit to reach its structure")
     attempt = ray.get(monitor.ping.remote())["attempt"]
     receipt = [p for p in glob.glob(f"{root}/.ckptd/pending/{attempt}/3/unit-*.json")
@@ -392,8 +402,8 @@ def test_a_unit_that_replaced_a_committed_state_dicts_file_and_failed_unheard_is
     os.kill(pid, signal.SIGSTOP)
     try:
         open(gate, "w").close()
-        wait_for(lambda: json.load(open(receipt[0]))["status"] == "failed", timeout_s=DEADLINE_S,
-                 what="the failure receipt")
+        wait_for(lambda: json.load(open(receipt[0]))["status"] == outcome, timeout_s=DEADLINE_S,
+                 what="the unit's receipt")
         ray.kill(saver)
         wait_for(lambda: actor_gone(saver), what="the saver's process to end")
     finally:

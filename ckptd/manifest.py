@@ -78,6 +78,21 @@ def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
     return size, hex_of(crc)
 
 
+def changed_files(storage: Storage, step_name: str, entries: list[FileEntry]) -> list[str]:
+    """The paths (relative to the step directory ``step_name``, itself relative to the root) whose
+    bytes on storage are not what ``entries`` say (missing ones included), each read whole and
+    checksummed."""
+    out = []
+    for e in entries:
+        try:
+            size, crc = crc32_file(storage, storage.join(step_name, e.path))
+        except FileNotFoundError:
+            size, crc = -1, ""
+        if (size, crc) != (e.size, e.crc32):
+            out.append(e.path)
+    return out
+
+
 def is_internal(rel_path: str) -> bool:
     """ckptd's own files in a step directory (``rel_path`` relative to it): the manifests, at its
     top only, and temp files of atomic writes, anywhere. A file of that name in a subdirectory is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
@@ -192,6 +193,8 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
         apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
     if optimizer_name is not None:
         optimizer_state = read_state(storage, committed, optimizer_name)
+        _check_optimizer_state(optimizer_state, optimizer, f"step {committed.step}'s state {optimizer_name!r}",
+                               f"; the step's default-writer states: {saved_states(committed)}")
         apply.append(lambda: optimizer.load_state_dict(optimizer_state))
     elif optimizer is not None:
         if moved:
@@ -201,8 +204,9 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
                 "ckptd.workers.sharded_state(model, optimizer) to resume on another world size, resume with "
                 "the same world size, or leave optimizer=None and start it fresh"
             )
-        optimizer_state = _load(storage, committed, prefix + rank_file("optimizer", rank), "optimizer",
-                                "optimizer_name=")
+        rel = prefix + rank_file("optimizer", rank)
+        optimizer_state = _load(storage, committed, rel, "optimizer", "optimizer_name=")
+        _check_optimizer_state(optimizer_state, optimizer, f"{committed.path}/{rel}")
         apply.append(lambda: optimizer.load_state_dict(optimizer_state))
     if lr_scheduler is not None:
         scheduler_state = _scheduler_state(storage, committed, prefix, rank, running if moved else None)
@@ -285,3 +289,43 @@ def _model_loader(storage: Storage, committed: CommittedStep, model: Any, model_
     weights = read_weights(storage, committed, model_dir)
     # Checked now (names, shapes), applied once everything else has loaded too.
     return weights.prepare_load(model, strict=True, adapter_name=adapter_name)
+
+
+#: torch's optimizers whose per-parameter tensors all have their parameter's shape (or are scalars).
+_PARAM_SHAPED_STATE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+                                 "RMSprop", "Rprop", "ASGD", "SparseAdam"})
+
+
+def _check_optimizer_state(state: Any, optimizer: Any, what: str, hint: str = "") -> None:
+    """Refuse, before anything is loaded, a state that ``optimizer.load_state_dict`` would refuse
+    (another structure, other parameter groups) or that does not fit its parameters: a tensor of
+    a parameter's state with another shape, for torch's optimizers whose state has the shapes of
+    the parameters (others, such as Adafactor's factored moments, are not compared)."""
+    def refuse(why: str) -> None:
+        raise CheckpointConfigError(f"{what} is not this optimizer's state: {why}{hint}")
+
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict) \
+            or not isinstance(state.get("param_groups"), list):
+        refuse("it is no optimizer state dict (a dict with 'state' and 'param_groups')")
+    groups, saved = optimizer.param_groups, state["param_groups"]
+    if len(saved) != len(groups):
+        refuse(f"it has {len(saved)} parameter groups, the optimizer {len(groups)}")
+    params: dict[Any, Any] = {}
+    for n, (g, mine) in enumerate(zip(saved, groups, strict=True)):
+        ids = g.get("params") if isinstance(g, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(x, (int, str)) for x in ids) \
+                or len(ids) != len(mine["params"]):
+            refuse(f"its parameter group {n} lists {len(ids) if isinstance(ids, list) else 'no'} parameters, "
+                   f"the optimizer's {len(mine['params'])}")
+        params.update(zip(ids, mine["params"], strict=True))
+    check_shapes = type(optimizer).__module__.startswith("torch.optim") and \
+        type(optimizer).__name__ in _PARAM_SHAPED_STATE
+    for i, per in state["state"].items():
+        if i not in params:
+            refuse(f"it has state for parameter {i!r}, which none of its groups lists")
+        if not check_shapes or not isinstance(per, dict):
+            continue
+        for key, value in per.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[i].shape:
+                refuse(f"its {key!r} of parameter {i} has shape {tuple(value.shape)}, the parameter "
+                       f"{tuple(params[i].shape)}")

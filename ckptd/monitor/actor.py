@@ -138,10 +138,13 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._retention.schedule()
 
     async def _resume_step(self, rec) -> None:
-        """A step in flight when this monitor started: a unit that failed before the restart may
-        have replaced a file of its committed state dict (see ``withdraw_if_changed``)."""
-        if any(u.failure is not None for u in rec.units.values()):
-            await self.withdraw_if_changed(rec, "a unit of the step failed before the monitor restarted")
+        """A step in flight when this monitor started: a unit that ended before the restart (failed,
+        or finished reporting a file of the committed state dict with other bytes, as
+        ``_finished`` checks live) may have replaced a file of its committed state dict (see
+        ``withdraw_if_changed``)."""
+        if any(u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
+               for u in rec.units.values()):
+            await self.withdraw_if_changed(rec, "a unit of the step ended before the monitor restarted")
         await self._after_change(rec)
 
     def _spawn(self, coro) -> None:

@@ -25,8 +25,8 @@ from ckptd.commit import fsync_path, temp_name
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
-from ckptd.layout import listed_files, scan_steps
-from ckptd.manifest import is_internal
+from ckptd.layout import MANIFESTS, listed_files, scan_steps
+from ckptd.manifest import Manifest, changed_files, is_internal
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -85,7 +85,10 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
     Only steps an older attempt of ckptd touched are cleaned: steps with its ledger records, and
     steps with a committed state dict (whose files outside that manifest go). Committed files are
     never touched, and neither are step directories ckptd has no trace of (a root that already
-    held another tool's checkpoints keeps them).
+    held another tool's checkpoints keeps them). The one exception: a state dict committed in a
+    step an older attempt was still saving into, whose listed files storage no longer holds (a
+    unit replaced one, and its monitor did not live to withdraw the state dict), is not committed
+    any more: its manifest goes, and the step is cleaned as uncommitted.
     """
     removed = []
     touched: set[int] = set()
@@ -99,6 +102,10 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
         if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched):
             continue
         path = storage.join(entry.name)
+        if step in touched and _stale_state_dict(storage, entry.name):
+            storage.rm(f"{path}/{MANIFESTS[Kind.STATE_DICT]}")
+            removed.append(f"{entry.name}/{MANIFESTS[Kind.STATE_DICT]} (a file it lists changed)")
+            entry = type(entry)(entry.step, entry.name, frozenset())
         if not entry.kinds:
             storage.rm(path)
             removed.append(entry.name)
@@ -111,3 +118,9 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
     if removed:
         log.warning("attempt %d: removed what older attempts left uncommitted: %s", attempt, ", ".join(removed))
     return removed
+
+
+def _stale_state_dict(storage: Storage, name: str) -> bool:
+    """Whether step directory ``name`` has a state-dict manifest listing bytes storage no longer holds."""
+    text = storage.read_text_or_none(storage.join(name, MANIFESTS[Kind.STATE_DICT]))
+    return text is not None and bool(changed_files(storage, name, Manifest.model_validate_json(text).files))

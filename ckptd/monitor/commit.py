@@ -29,7 +29,7 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError, check_fence
 from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
-from ckptd.manifest import FileEntry, Manifest, build_manifest, crc32_file, is_internal
+from ckptd.manifest import FileEntry, Manifest, build_manifest, changed_files, crc32_file, is_internal
 from ckptd.storage import FileStat, Storage
 from ckptd.template import StepDirTemplate
 
@@ -130,7 +130,8 @@ class Committer:
         reported = sum(map(len, plan.reports.values()))
         on_storage = self.storage.walk_files(step_path, skip=is_internal, links=links, large=reported >= LARGE_STEP)
         self._check_links(step_path, links)
-        claimed = self._check_reports(plan, step_path, on_storage)
+        # Committed files first: one that changed withdraws its commit (committed_changed), whatever
+        # the reports say (a stale report of it would otherwise fail the commit without saying so).
         for rel, entry in committed.items():
             st = on_storage.get(rel)
             if st is None or not self._unchanged(f"{step_path}/{rel}", entry, st):
@@ -139,6 +140,7 @@ class Committer:
                     f"{'gone' if st is None else f'now {st.size} bytes'}; a later save rewrote it. "
                     "Committed files must not change: save into a new step", committed_changed=True
                 )
+        claimed = self._check_reports(plan, step_path, on_storage)
         # Every claimed and committed file is on storage (checked above): when they are as many as
         # the files there, none is unclaimed, and the sets need not be built (40,000 files).
         if not committed and len(claimed) == len(on_storage):
@@ -291,16 +293,7 @@ class Committer:
 
     def differs(self, step: int, entries: list[FileEntry]) -> list[str]:
         """The paths (relative to the step) whose bytes on storage are not what ``entries`` say."""
-        name = find_step_dir(self.storage, step, self.template)
-        out = []
-        for e in entries:
-            try:
-                size, crc = crc32_file(self.storage, self.storage.join(name or "", e.path))
-            except FileNotFoundError:
-                size, crc = -1, ""
-            if (size, crc) != (e.size, e.crc32):
-                out.append(e.path)
-        return out
+        return changed_files(self.storage, find_step_dir(self.storage, step, self.template) or "", entries)
 
     def registered_before(self, step: int, reg_id: str) -> bool:
         """Whether the checkpoint manifest of ``step`` counted the registration ``reg_id``."""
@@ -320,10 +313,15 @@ class Committer:
         newest = newest_committed(self.storage, kind)
         if read_tracker(self.storage, kind) != newest:
             if newest is None:
-                self.storage.rm(self.storage.join(TRACKERS[kind]))
+                self.remove_tracker(kind)
             else:
                 self.write_tracker(kind, newest)
         return newest
+
+    def remove_tracker(self, kind: Kind) -> None:
+        """Remove the tracker of ``kind`` (no step of the kind is committed)."""
+        check_fence(self.storage, self.attempt)
+        self.storage.rm(self.storage.join(TRACKERS[kind]))
 
     # -- publishing ----------------------------------------------------------------------------
 

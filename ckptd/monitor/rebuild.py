@@ -81,6 +81,10 @@ def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind
     to the newest committed step."""
     for kind, step in newest.items():
         current = trackers[kind]
+        if step < 0 and current is not None and not ledger.is_committed(current, kind):
+            committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name
+            trackers[kind] = None
+            continue
         if step < 0 or current == step:
             continue
         if current is None or current < step or not ledger.is_committed(current, kind):

@@ -139,6 +139,12 @@ def test_resume_with_nothing_committed_returns_none_and_never_picks_uncommitted(
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     assert ckptd.resume(root, optimizer=opt).step == 3
     assert opt.param_groups[0]["lr"] == 0.1
+    # Another optimizer's layout is refused before anything changes, not by load_state_dict after.
+    two = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.5)
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"rank-00000.pt is not this optimizer's state: it has 1 "
+                                                          r"parameter groups, the optimizer 2"):
+        ckptd.resume(root, optimizer=two)
+    assert [g["lr"] for g in two.param_groups] == [0.5, 0.5]
     coord.close()
 
 

@@ -4,6 +4,7 @@ streamed behind the copy when it is fenced (see :mod:`ckptd.coordinator.staging`
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from functools import partial
@@ -85,7 +86,12 @@ class StagedSaves:
         unit = self._unit(name, global_step, is_state_dict)
         leaves = tensors_of(state)
         if not leaves:
-            raise CheckpointConfigError(f"state of save {name!r} holds no tensors; use save_async for other data")
+            if write_fn is not None:
+                raise CheckpointConfigError(f"state of save {name!r} holds no tensors, so nothing is staged for its "
+                                            "write_fn; use save_async for other data")
+            self._save_plain(unit, name, state)
+            self._blocked(unit, called_at, "save_state_async")
+            return
         streamed = False  # the default thread writer streams each chunk out as soon as it is staged
         plan = None  # the default writer's file, staged into as its image (see BufferSet)
         if write_fn is None:
@@ -136,6 +142,14 @@ class StagedSaves:
         if fenced:
             self._fence_step = unit.step
         self._blocked(unit, called_at, "save_state_async (fenced)" if fenced else "save_state_async")
+
+    def _save_plain(self, unit: Any, name: str, state: Any) -> None:
+        """A state with no tensors for the default writer (an optimizer before its first step,
+        SGD without momentum): nothing to stage. Its plain values are copied now, and written as
+        any nested state is (a tensors file holding none, and the structure beside it)."""
+        split(state, _METADATA)  # refused now, before anything starts, if the writer cannot take it
+        path = self._storage.join(self._template.name(unit.step), f"{name}.safetensors")
+        self._queue(unit, partial(write_flat_into, self._storage, path, copy.deepcopy(state), metadata=_METADATA))
 
     def before_update(self) -> None:
         """Wait until every fenced staging copy has finished; call it before the optimizer step.

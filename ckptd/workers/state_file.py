@@ -230,9 +230,10 @@ def read_state(storage: Storage, committed: CommittedStep, name: str) -> Any:
                                     f"manifest); its default-writer states: {saved_states(committed) or 'none'}")
     path = f"{committed.path}/{rel}"
     tensors, metadata = read_safetensors(storage, path, committed.files[rel])
-    if not tensors:
-        raise CorruptCheckpointError(f"{path}: holds no tensors, which the default writer never writes")
     if STRUCTURE_KEY not in metadata:
+        if not tensors:
+            raise CorruptCheckpointError(f"{path}: holds no tensors and no structure, which the default writer "
+                                         "never writes")
         return tensors  # a flat state (a structure file beside it is another save's, not this one's)
     if metadata[STRUCTURE_KEY] != FORMAT:
         raise CorruptCheckpointError(f"{path}: its structure is in format {metadata[STRUCTURE_KEY]!r}; this "

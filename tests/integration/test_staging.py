@@ -129,8 +129,10 @@ def test_nested_state_keeps_its_structure_and_plain_values(make_monitor, tmp_pat
 
 def test_bad_input_is_refused_before_anything_starts(make_monitor, tmp_path):
     root, coord = _coord(make_monitor, tmp_path)
-    with pytest.raises(ckptd.CheckpointConfigError, match="holds no tensors"):
-        coord.save_state_async("model", {"lr": 0.1}, 1)
+    with pytest.raises(ckptd.CheckpointConfigError, match="holds no tensors, so nothing is staged for its write_fn"):
+        coord.save_state_async("model", {"lr": 0.1}, 1, write_fn=lambda sd: [])
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"state\['x'\] is a object"):
+        coord.save_state_async("model", {"lr": 0.1, "x": object()}, 1)  # no tensors: refused the same way
     with pytest.raises(ckptd.CheckpointConfigError, match=r"state\['meta'\]\['x'\] is a object"):
         coord.save_state_async("model", {"w": torch.ones(2), "meta": {"x": object()}}, 1)
     with pytest.raises(ckptd.CheckpointConfigError, match="global_step"):
@@ -138,6 +140,30 @@ def test_bad_input_is_refused_before_anything_starts(make_monitor, tmp_path):
     with pytest.raises(ckptd.CheckpointConfigError, match="max_staged"):
         ckptd.CheckpointCoordinator(make_monitor(root), max_staged=0)
     assert coord.staged_bytes() == 0
+    coord.close()
+
+
+def test_a_state_without_tensors_is_saved_and_resumed_by_the_default_writer(make_monitor, tmp_path):
+    """An optimizer before its first step, and SGD without momentum, hold no tensors: the default
+    writer saves their plain values as they were at the call (a tensors file holding none, and
+    the structure), load_state gives them back and resume restores them."""
+    root, coord = _coord(make_monitor, tmp_path)
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    adam = torch.optim.AdamW(model.parameters(), lr=0.01).state_dict()  # never stepped: no state
+    coord.save_state_async("sgd", sgd, 1, fenced=True)
+    coord.before_update()
+    coord.save_state_async("adam", adam, 1)
+    want = copy.deepcopy(sgd)
+    sgd["param_groups"][0]["lr"] = 0.5  # after the call: not in the checkpoint
+    coord.register(1, checkpoint_thread_count=2)
+    coord.wait_committed(1, timeout_s=60)
+    assert sorted(os.listdir(f"{root}/global_step_1")) == [
+        "adam.safetensors", "adam.state.json", "ckptd_manifest.json", "sgd.safetensors", "sgd.state.json"]
+    assert ckptd.load_state(root, "sgd") == want and ckptd.load_state(root, "adam") == adam
+    fresh = torch.optim.SGD(model.parameters(), lr=0.9)
+    assert ckptd.resume(root, optimizer=fresh, optimizer_name="sgd").step == 1
+    assert fresh.param_groups[0]["lr"] == 0.1
     coord.close()
 
 

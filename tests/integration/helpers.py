@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -467,3 +468,32 @@ def node_relay(run: str, coord: ckptd.CheckpointCoordinator, where: str | None =
     from ckptd.protocol import relay_name
 
     return ray.get_actor(relay_name(run, coord._attempt_id, where or ray.get_runtime_context().get_node_id()))
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same_state(want, got, path: str = "state") -> None:
+    """``got`` is ``want`` exactly: container and value types, key types and order, tensor
+    dtypes, shapes and bits, NaN and the sign of zero."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__}, not a tensor"
+        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), path
+        assert _bits(got) == _bits(want), f"{path}: other bytes"
+        return
+    assert type(got) is type(want), f"{path}: {type(got).__name__}, saved as {type(want).__name__}"
+    if isinstance(want, dict):
+        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], f"{path}: keys"
+        for k in want:
+            assert_same_state(want[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: length"
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            assert_same_state(a, b, f"{path}[{i}]")
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), path
+    elif isinstance(want, float):
+        assert got == want and math.copysign(1, got) == math.copysign(1, want), path
+    else:
+        assert got == want, path

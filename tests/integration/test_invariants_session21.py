@@ -80,7 +80,7 @@ from ckptd import failpoints
 from ckptd.workers.safetensors_io import plan_safetensors
 from ckptd.workers.state_file import split
 
-from .helpers import wait_for
+from .helpers import assert_same_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -131,35 +131,6 @@ def env(_shared_monitor) -> Env:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _same(want: Any, got: Any, path: str = "state") -> None:
-    """``got`` is ``want`` exactly: container and value types, key types and order, tensor
-    dtypes, shapes and bits, NaN and the sign of zero."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__}, not a tensor"
-        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), path
-        assert _bits(got) == _bits(want), f"{path}: other bytes"
-        return
-    assert type(got) is type(want), f"{path}: {type(got).__name__}, saved as {type(want).__name__}"
-    if isinstance(want, dict):
-        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], f"{path}: keys"
-        for k in want:
-            _same(want[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: length"
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            _same(a, b, f"{path}[{i}]")
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), path
-    elif isinstance(want, float):
-        assert got == want and math.copysign(1, got) == math.copysign(1, want), path
-    else:
-        assert got == want, path
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -216,12 +187,12 @@ def _o_direct_copied(caplog, name: str, step_dir: str) -> tuple[int, int]:
 def _assert_committed(env: Env, step: int, name: str, want: Any) -> None:
     """The step commits, verifies against its manifest, and ``name`` loads back as ``want``."""
     ckptd.verify(env.root, step)
-    _same(want, ckptd.load_state(env.root, name, step))
+    assert_same_state(want, ckptd.load_state(env.root, name, step))
     if all(isinstance(v, torch.Tensor) for v in want.values()):  # a flat state: any safetensors reader
         got = load_file(f"{env.step_dir(step)}/{name}.safetensors")
         assert sorted(got) == sorted(want)
         for key in want:
-            _same(want[key], got[key], key)
+            assert_same_state(want[key], got[key], key)
 
 
 def _visible(step_dir: str) -> list[str]:
@@ -619,7 +590,7 @@ def test_a_nested_state_round_trips_with_every_type_kept(env):
     coord.wait_committed(s + 1, timeout_s=DEADLINE_S)
     ckptd.verify(env.root, s + 1)
     for name, want in wants.items():
-        _same(want, ckptd.load_state(env.root, name, s + 1), name)
+        assert_same_state(want, ckptd.load_state(env.root, name, s + 1), name)
     coord.close()
 
 
@@ -715,7 +686,7 @@ def test_a_tensor_named_metadata_round_trips_or_is_refused(env, state):
     want = copy.deepcopy(state)
     got = _save_and_load(env, "meta", state)
     if not isinstance(got, Exception):
-        _same(want, got)
+        assert_same_state(want, got)
 
 
 def test_a_flat_save_after_a_nested_one_of_the_same_name_and_step_loads_as_itself(env):
@@ -728,7 +699,7 @@ def test_a_flat_save_after_a_nested_one_of_the_same_name_and_step_loads_as_itsel
     ckptd.verify(env.root, s + 1)
     got = ckptd.load_state(env.root, "optim", s + 1)
     coord.close()
-    _same({"w": torch.zeros(3)}, got)
+    assert_same_state({"w": torch.zeros(3)}, got)
 
 
 class _Level(enum.IntEnum):
@@ -892,7 +863,7 @@ def test_write_fn_saves_get_a_buffer_per_tensor_and_alternate_with_the_default_w
             assert _visible(env.step_dir(step)) == ["ckptd_manifest.json"]
     assert [snap["lr"] for snap in seen] == [float(s + 1), float(s + 3)]
     for snap, step in zip(seen, (s + 1, s + 3), strict=True):
-        _same(_tensors(wants[step]), snap["values"])
+        assert_same_state(_tensors(wants[step]), snap["values"])
         assert len(set(snap["ptrs"])) == 2  # one buffer per tensor, not views of one image
     assert coord.staged_bytes() == _image_size(wants[s + 4])  # the last save's set (the image)
     coord.close()

@@ -53,6 +53,7 @@ from ckptd.workers import state_file
 
 from .helpers import (
     actor_gone,
+    assert_same_state,
     assert_trackers_verified,
     failpoint_env,
     read_manifest,
@@ -86,29 +87,6 @@ def _optim(seed: int, big_structure: bool = False) -> dict:
     if big_structure:
         state["param_groups"][0]["note"] = "x" * (3 * MiB)
     return state
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _same(want, got, path: str = "state") -> None:
-    """``got`` is ``want`` exactly: types, keys and their order, tensor dtypes, shapes and bits."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), path
-        assert (got.dtype, tuple(got.shape), _bits(got)) == (want.dtype, tuple(want.shape), _bits(want)), path
-        return
-    assert type(got) is type(want), f"{path}: {type(got).__name__}, saved as {type(want).__name__}"
-    if isinstance(want, dict):
-        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], f"{path}: keys"
-        for k in want:
-            _same(want[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            _same(a, b, f"{path}[{i}]")
-    else:
-        assert got == want, path
 
 
 def _train_step(state: dict) -> None:
@@ -279,7 +257,7 @@ def test_a_structure_write_failing_after_the_tensors_file_never_commits_nor_afte
     restart_monitor(monitor)
     _assert_failed(coord, 2)
     assert assert_trackers_verified(root) == {CKPT: 1, SD: 1}
-    _same(want1, ckptd.load_state(root, "optim", 1))
+    assert_same_state(want1, ckptd.load_state(root, "optim", 1))
     assert _snapshot_bytes(ckptd.step_dir(root, 1)) == before
     coord.close()
 
@@ -294,14 +272,24 @@ def test_a_structure_write_failing_after_the_tensors_file_never_commits_nor_afte
     new.wait_committed(2, timeout_s=DEADLINE_S)
     assert _visible(d2) == ["ckptd_manifest.json", "optim.safetensors"]
     _assert_manifest_matches_files(root, 2, CKPT, ["optim.safetensors"])
-    _same(flat, ckptd.load_state(root, "optim", 2))
+    assert_same_state(flat, ckptd.load_state(root, "optim", 2))
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
     assert _snapshot_bytes(ckptd.step_dir(root, 1)) == before
-    _same(want1, ckptd.load_state(root, "optim", 1))
+    assert_same_state(want1, ckptd.load_state(root, "optim", 1))
     new.close()
 
 
 # -- 2: a committed state dict's file pair rewritten by a unit that then fails ---------------------
+
+
+def _checkpoint_2_and_state_dict_3(coord) -> None:
+    """Step 2 committed as a full checkpoint, and the state dict of step 3, both the nested "optim"."""
+    coord.register(2, checkpoint_thread_count=1)
+    coord.save_state_async("optim", _optim(2), 2)
+    coord.wait_committed(2, timeout_s=DEADLINE_S)
+    coord.register(3, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_state_async("optim", _optim(3), 3, is_state_dict=True)
+    coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("revoke_fails", [False, True], ids=["", "revoke-fails-once"])
@@ -319,12 +307,7 @@ def test_a_checkpoint_unit_that_replaces_a_committed_state_dicts_tensors_file_th
     monitor = make_monitor(root, **({"runtime_env": failpoint_env("before_revoke=raise", once)} if revoke_fails
                                     else {}))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(2, checkpoint_thread_count=1)
-    coord.save_state_async("optim", _optim(2), 2)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    coord.register(3, is_state_dict=True, state_dict_thread_count=1)
-    coord.save_state_async("optim", _optim(3), 3, is_state_dict=True)
-    coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
+    _checkpoint_2_and_state_dict_3(coord)
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 3}
 
     coord.register(3, checkpoint_thread_count=1)
@@ -381,12 +364,7 @@ def test_a_unit_that_replaced_a_committed_state_dicts_file_unheard_is_refused_by
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(2, checkpoint_thread_count=1)
-    coord.save_state_async("optim", _optim(2), 2)
-    coord.wait_committed(2, timeout_s=DEADLINE_S)
-    coord.register(3, is_state_dict=True, state_dict_thread_count=1)
-    coord.save_state_async("optim", _optim(3), 3, is_state_dict=True)
-    coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
+    _checkpoint_2_and_state_dict_3(coord)
     coord.register(3, checkpoint_thread_count=1)
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 3}
 
@@ -454,7 +432,7 @@ def test_an_old_jobs_nested_save_thread_publishes_neither_file_into_the_new_jobs
     assert _visible(d5) == sorted(["ckptd_manifest.json", *names]), _visible(d5)
     assert _snapshot_bytes(d5) == committed and not _tmp_files(d5)
     _assert_manifest_matches_files(root, 5, CKPT, names)
-    _same(want, ckptd.load_state(root, "optim", 5))
+    assert_same_state(want, ckptd.load_state(root, "optim", 5))
     assert assert_trackers_verified(root) == {CKPT: 5, SD: 5}
     new.close()
     old.close()
@@ -499,7 +477,7 @@ def test_an_old_jobs_nested_save_in_a_writer_process_publishes_neither_file_into
     assert _visible(d5) == ["ckptd_manifest.json", "optim.safetensors", "optim.state.json"]
     assert _snapshot_bytes(d5) == committed and not _tmp_files(d5)
     _assert_manifest_matches_files(root, 5, CKPT, ["optim.safetensors", "optim.state.json"])
-    _same(want, ckptd.load_state(root, "optim", 5))
+    assert_same_state(want, ckptd.load_state(root, "optim", 5))
     assert assert_trackers_verified(root) == {CKPT: 5, SD: 5}
     new.close()
     old.close()
@@ -538,15 +516,15 @@ def test_a_full_checkpoint_waits_for_a_nested_state_dict_unit_held_between_its_f
     coord.wait_committed(7, timeout_s=DEADLINE_S)
     files = ["model.safetensors", "model.state.json", "optim.safetensors", "optim.state.json"]
     _assert_manifest_matches_files(root, 7, CKPT, files)
-    _same(want_model, ckptd.load_state(root, "model", 7))
-    _same(want_optim, ckptd.load_state(root, "optim", 7))
+    assert_same_state(want_model, ckptd.load_state(root, "model", 7))
+    assert_same_state(want_optim, ckptd.load_state(root, "optim", 7))
     assert assert_trackers_verified(root) == {CKPT: 7, SD: 7}
 
     # An older step committed afterwards verifies, and moves neither tracker back.
     want6 = _commit_nested(coord, root, 6)
-    _same(want6, ckptd.load_state(root, "optim", 6))
+    assert_same_state(want6, ckptd.load_state(root, "optim", 6))
     assert assert_trackers_verified(root) == {CKPT: 7, SD: 7}
-    _same(want_optim, ckptd.load_state(root, "optim"))
+    assert_same_state(want_optim, ckptd.load_state(root, "optim"))
     coord.close()
 
 
@@ -571,8 +549,8 @@ def test_a_state_dict_then_a_full_checkpoint_of_one_step_with_nested_saves_commi
     coord.wait_committed(8, timeout_s=DEADLINE_S)
     _assert_manifest_matches_files(
         root, 8, CKPT, ["model.safetensors", "model.state.json", "optim.safetensors", "optim.state.json"])
-    _same(want_model, ckptd.load_state(root, "model", 8))
-    _same(want_optim, ckptd.load_state(root, "optim", 8))
+    assert_same_state(want_model, ckptd.load_state(root, "model", 8))
+    assert_same_state(want_optim, ckptd.load_state(root, "optim", 8))
     assert assert_trackers_verified(root) == {CKPT: 8, SD: 8}
     coord.close()
     shutil.rmtree(root, ignore_errors=True)

@@ -95,6 +95,7 @@ from ckptd.storage import Storage
 from .helpers import (
     actor_gone,
     arm_in_monitor,
+    assert_same_state,
     assert_trackers_verified,
     failpoint_env,
     read_manifest,
@@ -320,11 +321,9 @@ def test_i2_two_units_and_a_duplicate_report_during_a_retried_withdrawal(make_mo
     coord.close()
 
 
-def test_a_fenced_monitor_gives_up_its_retried_withdrawal_and_publishes_nothing(make_monitor, tmp_path, run_name):
-    """A newer job opens an attempt on the root (from another cluster: no monitor of it here yet)
-    while job 1's monitor retries a withdrawal: the retry loop must end on the fence instead of
-    spinning for ever, and the fenced monitor must not touch the manifest or the trackers."""
-    root = str(tmp_path / "ckpt")
+def _retried_withdrawal(make_monitor, root: str, run_name: str):
+    """The set-up, then a unit that replaces the state dict's tensors file and reports it, while
+    storage refuses the withdrawal (before_revoke raises): returns once it is being retried."""
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     _setup(coord, root)
@@ -332,6 +331,15 @@ def test_a_fenced_monitor_gives_up_its_retried_withdrawal_and_publishes_nothing(
     rw = _Rewriter.remote(run_name, "w1")
     ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports"))
     wait_for(lambda: min(_revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
+    return monitor, coord, rw
+
+
+def test_a_fenced_monitor_gives_up_its_retried_withdrawal_and_publishes_nothing(make_monitor, tmp_path, run_name):
+    """A newer job opens an attempt on the root (from another cluster: no monitor of it here yet)
+    while job 1's monitor retries a withdrawal: the retry loop must end on the fence instead of
+    spinning for ever, and the fenced monitor must not touch the manifest or the trackers."""
+    root = str(tmp_path / "ckpt")
+    monitor, coord, rw = _retried_withdrawal(make_monitor, root, run_name)
     open_attempt(Storage(root), f"{run_name}-elsewhere", None)
     wait_for(lambda: not _revoke_loops(monitor, 3), timeout_s=DEADLINE_S, what="the withdrawal to give up")
     assert "superseded" in ray.get(monitor.__ray_call__.remote(lambda self: self._fenced))
@@ -396,36 +404,13 @@ def _train(model, opt) -> None:
     opt.step()
 
 
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _exact(want, got, path="state"):
-    """``got`` is ``want`` exactly: types, keys in order, tensor dtypes, shapes and bits."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), path
-        assert (got.dtype, tuple(got.shape), _bits(got)) == (want.dtype, tuple(want.shape), _bits(want)), path
-        return
-    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys"
-        for k in want:
-            _exact(want[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            _exact(a, b, f"{path}[{i}]")
-    else:
-        assert got == want, path
-
-
 def _snapshot(model, opt) -> tuple[dict, dict]:
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 
 
 def _unchanged(model, opt, before: tuple[dict, dict]) -> None:
-    _exact(before[0], model.state_dict(), "model")
-    _exact(before[1], opt.state_dict(), "optimizer")
+    assert_same_state(before[0], model.state_dict(), "model")
+    assert_same_state(before[1], opt.state_dict(), "optimizer")
 
 
 def _save_three_states(coord) -> tuple:
@@ -465,8 +450,8 @@ def test_i6_resume_by_name_is_bit_exact_checked_and_never_unpickles(make_monitor
         fresh, fresh_opt = _model_and_optim(9, stepped=False)
         state = ckptd.resume(root, model=fresh, optimizer=fresh_opt, optimizer_name="optim", restore_rng=False)
     assert state.step == 1
-    _exact(want_model, fresh.state_dict(), "model")
-    _exact(want_opt, fresh_opt.state_dict(), "optimizer")
+    assert_same_state(want_model, fresh.state_dict(), "model")
+    assert_same_state(want_opt, fresh_opt.state_dict(), "optimizer")
     # It trains on exactly as the saved optimizer does, and its in-place updates (of tensors that
     # may be mapped from the checkpoint) leave the committed files as they were.
     ref, ref_opt = _model_and_optim(9, stepped=False)
@@ -474,8 +459,8 @@ def test_i6_resume_by_name_is_bit_exact_checked_and_never_unpickles(make_monitor
     ref_opt.load_state_dict(copy.deepcopy(want_opt))
     _train(fresh, fresh_opt)
     _train(ref, ref_opt)
-    _exact(ref.state_dict(), fresh.state_dict(), "model after a step")
-    _exact(ref_opt.state_dict(), fresh_opt.state_dict(), "optimizer after a step")
+    assert_same_state(ref.state_dict(), fresh.state_dict(), "model after a step")
+    assert_same_state(ref_opt.state_dict(), fresh_opt.state_dict(), "optimizer after a step")
     ckptd.verify(root, 1)
 
     # A flipped byte in either file: refused, and neither object changes.
@@ -521,7 +506,7 @@ def test_i6_a_name_of_another_state_is_refused_before_anything_changes(make_moni
             problems.append(f"optimizer_name={name!r} raised {error!r}, not CheckpointConfigError")
         for what, obj, was in (("model", victim, before[0]), ("optimizer", victim_opt, before[1])):
             try:
-                _exact(was, obj.state_dict(), what)
+                assert_same_state(was, obj.state_dict(), what)
             except AssertionError:
                 problems.append(f"optimizer_name={name!r} changed the {what}")
     assert not problems, problems
@@ -554,13 +539,7 @@ def test_i1_a_new_job_on_the_root_during_a_retried_withdrawal(make_monitor, tmp_
     """Job 1's monitor is retrying the withdrawal of step 3's state dict (storage refuses it) when
     job 2 starts on the root (job 1's monitor is killed, as a new job does)."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _setup(coord, root)
-    arm_in_monitor(monitor, "before_revoke", "raise")
-    rw = _Rewriter.remote(run_name, "w1")
-    ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports"))
-    wait_for(lambda: min(_revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
+    monitor, coord, rw = _retried_withdrawal(make_monitor, root, run_name)
     coord.close()
     monitor2 = start_new_job(make_monitor, root, monitor)
     assert ray.get(rw.wait_all.remote()) is not None  # its report went to job 1's monitor, now gone

@@ -18,6 +18,12 @@ import ray
 
 from ckptd.phases import ALL, NOTIFICATION
 
+#: From the unit's span rather than its phases: from its start until the monitor admitted it
+#: (the "started" round trip, and a writer slot with a save strategy), before anything is written.
+ADMISSION = "admission"
+#: The breakdown's columns, in the order a save goes through them.
+COLUMNS = (ADMISSION, *ALL)
+
 
 @dataclass
 class Breakdown:
@@ -38,7 +44,7 @@ class Breakdown:
     def to_json(self) -> dict:
         return {"label": self.label, "steps": len(self.steps),
                 "durable_ms": statistics.median(self.durable) * 1000 if self.durable else None,
-                "median_ms": {p: self.median_ms(p) for p in ALL}, "share": {p: self.share(p) for p in ALL}}
+                "median_ms": {p: self.median_ms(p) for p in COLUMNS}, "share": {p: self.share(p) for p in COLUMNS}}
 
 
 def _complete(spans: list[dict], step: int) -> bool:
@@ -65,8 +71,10 @@ def collect(monitor: Any, steps: list[int], worker: str, into: Breakdown, timeou
         if not _complete(spans, step):
             continue
         mine = [s for s in spans if s["step"] == step and (s.get("worker") == worker or s["lane"] == "commit")]
-        totals = dict.fromkeys(ALL, 0.0)
+        totals = dict.fromkeys(COLUMNS, 0.0)
         for s in mine:
+            if s["lane"] == "unit" and s.get("admitted") is not None:
+                totals[ADMISSION] += max(0.0, s["admitted"] - s["start"])
             if s["lane"] in ("unit", "commit"):
                 for name, sec in (s.get("phases") or {}).items():
                     if name in totals:
@@ -79,13 +87,13 @@ def collect(monitor: Any, steps: list[int], worker: str, into: Breakdown, timeou
 
 def table(breakdowns: list[Breakdown]) -> str:
     """Median ms per phase and its share of the median durable time, one row per breakdown."""
-    head = "| ckptd phases (median ms, share of durable) | durable | " + " | ".join(ALL) + " |"
-    lines = [head, "| --- " * (len(ALL) + 2) + "|"]
+    head = "| ckptd phases (median ms, share of durable) | durable | " + " | ".join(COLUMNS) + " |"
+    lines = [head, "| --- " * (len(COLUMNS) + 2) + "|"]
     for b in breakdowns:
         if not b.steps:
             continue
         d = statistics.median(b.durable) * 1000
-        cells = [f"{b.median_ms(p):.3g} ({b.share(p) * 100:.0f} %)" for p in ALL]
+        cells = [f"{b.median_ms(p):.3g} ({b.share(p) * 100:.0f} %)" for p in COLUMNS]
         lines.append(f"| {b.label} ({len(b.steps)} saves) | {d:.4g} ms | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

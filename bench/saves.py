@@ -270,10 +270,11 @@ def p2_durable(h: SaveHarness, sd: dict[str, torch.Tensor], pairs: int, context_
                   "memory the hypervisor took back")
     phases = breakdown.Breakdown(f"P2 {h.label} {mib} MiB")
     breakdown.collect(h.monitor, saved, h.coord.worker_id, phases)
-    protocol = sum(phases.median_ms(p) for p in (RECEIPT, NOTIFICATION, COMMIT, TRACKERS))
+    protocol = sum(phases.median_ms(p) for p in (breakdown.ADMISSION, RECEIPT, NOTIFICATION, COMMIT, TRACKERS))
     detail = (f"ckptd's write phase took {phases.median_ms(WRITE):.3g} ms (median) against "
-              f"{st.median * 1000:.3g} ms for safetensors' whole save, and its receipt, notification, commit and "
-              f"trackers {protocol:.3g} ms more") if phases.steps else ""
+              f"{st.median * 1000:.3g} ms for safetensors' whole save, and its admission, receipt, notification, "
+              f"commit and trackers {protocol:.3g} ms more (admission {phases.median_ms(breakdown.ADMISSION):.3g} "
+              "ms: the unit's round trip to the monitor before it writes)") if phases.steps else ""
     comparison = Comparison(f"P2 ckptd durable / safetensors+fsync ({h.label}, {mib} MiB)", ck, st, noise=noise,
                             detail=detail)
     return rows, [comparison], phases

@@ -3,7 +3,7 @@ ones with their pairs and interval), and ckptd's per-phase breakdown (no timing 
 
 from __future__ import annotations
 
-from ckptd.phases import ALL
+from bench.breakdown import COLUMNS
 
 from .helpers import run_bench_smoke
 
@@ -38,14 +38,14 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
     assert result["skipped"] == {"P2 (RAM)": "smoke run: the disk run covers the same code"}
 
     # ckptd's own phase timings, read back from the monitor's timeline after the measured saves.
-    assert "| " + " | ".join(ALL) + " |" in proc.stdout
+    assert "| " + " | ".join(COLUMNS) + " |" in proc.stdout
     labels = {b["label"]: b for b in result["phases"]}
     assert {"P1 eager 4 MiB", "P1 fenced 4 MiB", "P2 disk 4 MiB", "P3 matmul", "P3 python",
             "P3 python-process"} <= set(labels)
     for label, b in labels.items():
         # 3 pairs: one save per P1/P2 pair, two per P3 block (every 2 or 3 steps of 4 or 6).
         assert b["steps"] == (6 if label.startswith("P3") else 3) and b["durable_ms"] > 0, b
-        assert all(b["median_ms"][phase] > 0 for phase in ALL), (label, b)
+        assert all(b["median_ms"][phase] > 0 for phase in COLUMNS), (label, b)
     # P3: the training thread's CPU time beside its wall time, block by block: what tells waiting
     # (for the GIL or a core) from the same work made slower.
     for variant in ("matmul", "python", "python-process"):

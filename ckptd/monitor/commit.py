@@ -141,6 +141,18 @@ class Committer:
                     "Committed files must not change: save into a new step", committed_changed=True
                 )
         claimed = self._check_reports(plan, step_path, on_storage)
+        if committed:
+            # A report of a committed file must say what that manifest lists, which storage holds
+            # (checked above): any other is wrong, and the commit fails on it, keeping the committed
+            # state dict (a unit known only from its receipt after a restart, say).
+            for unit, entries in sorted(plan.reports.items()):
+                for e in entries:
+                    c = committed.get(e.path)
+                    if c is not None and (c.size, c.crc32) != (e.size, e.crc32):
+                        raise CommitCheckError(
+                            f"{step_path}/{e.path} is reported by {unit} as {e.size} bytes with CRC-32 {e.crc32}, "
+                            f"but a committed manifest of step {plan.step} lists it as {c.size} bytes with "
+                            f"CRC-32 {c.crc32}, which storage holds: that report is wrong")
         # Every claimed and committed file is on storage (checked above): when they are as many as
         # the files there, none is unclaimed, and the sets need not be built (40,000 files).
         if not committed and len(claimed) == len(on_storage):

@@ -264,6 +264,7 @@ class CommitFlow:
         A fenced monitor stops: it publishes nothing any more, and the newer job's monitor checks
         what it finds when it starts."""
         tries = 0
+        rec[SD].withdrawing = True  # retention must not count it among the state dicts it keeps
         while True:
             try:
                 async with self._tracker_lock:
@@ -282,6 +283,7 @@ class CommitFlow:
                           type(e).__name__, e, tries, delay)
                 self._metrics.inc(RETRIED_REQUESTS, request="revoke")
                 await asyncio.sleep(delay)
+        rec[SD].withdrawing = False
         self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)
 

@@ -84,6 +84,10 @@ class StepLedger:
         return {r.step for r in self._records.values()
                 if any(r.active(k) and not r[k].settled for k in Kind)}
 
+    def withdrawing_steps(self) -> set[int]:
+        """Steps whose committed state dict is being withdrawn (its manifest may still be there)."""
+        return {r.step for r in self._records.values() if r[SD].withdrawing}
+
     def failed_steps(self) -> set[int]:
         failed = {r.step for r in self._records.values() if any(r[k].state is StepState.FAILED for k in Kind)}
         return failed | {s for (s, _), v in self._retired.items() if v[0] is StepState.FAILED}

@@ -47,6 +47,7 @@ class KindRecord:
     committed_units: set[str] = field(default_factory=set)  # unit keys in the committed manifest
     committed_files: dict[str, FileEntry] = field(default_factory=dict)  # what that manifest lists
     deferred: bool = False  # a commit waits for the other kind's running units (see the commit path)
+    withdrawing: bool = False  # committed, and being withdrawn: its files changed (see the commit path)
 
     @property
     def settled(self) -> bool:

@@ -61,7 +61,8 @@ def _newest(steps: list[int], n: int | None) -> set[int]:
 
 
 def plan_retention(
-    entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int]
+    entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int],
+    withdrawing: set[int] = frozenset(),
 ) -> RetentionPlan:
     """Decide what to delete.
 
@@ -71,6 +72,8 @@ def plan_retention(
         protected: Steps never to delete: tracker targets and steps in flight.
         failed: Steps whose leftovers go at once: the monitor knows that no kind of theirs can
             commit any more (and none is in flight).
+        withdrawing: Steps whose state dict is being withdrawn: kept, but not counted among the
+            newest ``max_state_dict_to_keep`` (an older state dict that stays must not go).
     """
     plan = RetentionPlan()
     committed = sorted(s for s, e in entries.items() if e.committed)
@@ -79,7 +82,8 @@ def plan_retention(
     newest = committed[-1]
     checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds]
     keep = set(protected) | _newest(checkpoints, policy.max_ckpt_to_keep)
-    keep |= _newest(committed, policy.max_state_dict_to_keep)
+    counted = [s for s in committed if s not in withdrawing or Kind.CHECKPOINT in entries[s].kinds]
+    keep |= _newest(counted, policy.max_state_dict_to_keep) | (set(withdrawing) & set(committed))
     if policy.keep_every_n_steps:
         keep |= {s for s in committed if s % policy.keep_every_n_steps == 0}
     for step in sorted(entries):
@@ -269,7 +273,8 @@ class RetentionRunner:
                 # idle leftover, like the directory of a save the monitor has not heard of.
                 at_once = {s for s in failed if self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED}
                 try:
-                    result = await self._in_thread(self._pass, protected, failed, at_once)
+                    result = await self._in_thread(self._pass, protected, failed, at_once,
+                                                   self._ledger.withdrawing_steps())
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="root")
                     self.errors = result.errors
@@ -283,7 +288,7 @@ class RetentionRunner:
             self._running = False
             self.idle.set()
 
-    def _pass(self, protected: set[int], failed: set[int], at_once: set[int]) -> PassResult:
+    def _pass(self, protected: set[int], failed: set[int], at_once: set[int], withdrawing: set[int]) -> PassResult:
         trash_error = None
         try:
             empty_trash(self._storage)
@@ -293,7 +298,7 @@ class RetentionRunner:
             trash_error = f"could not empty {TRASH}: {e}"
             log.warning("%s; retrying at the next pass", trash_error)
         entries = scan_steps(self._storage, self._template)
-        plan = plan_retention(entries, self._policy, protected=protected, failed=at_once)
+        plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
         # step with a failed kind keeps its records: they are what tells a restarted monitor it

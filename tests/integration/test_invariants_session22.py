@@ -67,11 +67,12 @@ What broke, each fixed since (the tests below fail without the fix):
 Noted, not asserted: until a refused withdrawal succeeds the state-dict tracker names the step
 being withdrawn (storage refuses the fix: by design, and why it is retried); the withdrawal
 removes the manifest before it moves the tracker, so a reader between the two sees a tracker on
-a step with no manifest (readers fall back to the manifests); retention counts a state dict being
-withdrawn among the newest ``max_state_dict_to_keep``, so it may delete a valid older one that
-the withdrawal would have left as the newest (hence ``max_state_dict_to_keep=None`` in I4);
-``save_state_async`` refuses an optimizer state with no tensors (never stepped, or SGD without
-momentum) up front, so such an optimizer cannot be saved for ``optimizer_name=`` at all.
+a step with no manifest (readers fall back to the manifests). Noted and fixed since: retention
+counted a state dict being withdrawn among the newest ``max_state_dict_to_keep``, so it could
+delete a valid older one that the withdrawal would have left among them (I4 now runs with the
+default window of 2, and its "older" case fails without the fix); ``save_state_async`` refused an
+optimizer state with no tensors (never stepped, or SGD without momentum), so such an optimizer
+could not be saved for ``optimizer_name=`` at all.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def test_i4_commits_while_a_withdrawal_is_retried(make_monitor, tmp_path, run_na
     "newer") or its one try stalled holding the tracker lock ("delayed"), while other steps commit:
     an older state dict (1), or newer ones (a state dict 4, a full checkpoint 5)."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_state_dict_to_keep=None)  # step 1 must stay, older as it is
+    # The default window of 2 state dicts: step 1 must stay, as step 3 (withdrawn) does not count.
+    monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     _setup(coord, root)
     arm_in_monitor(monitor, "before_revoke", "delay:1" if meanwhile == "delayed" else "raise")

@@ -39,6 +39,18 @@ def test_default_policy_keeps_every_full_checkpoint_and_two_state_dicts():
     assert sorted(set(spec) - set(delete)) == [3, 6, 9, 10]
 
 
+def test_a_state_dict_being_withdrawn_is_kept_but_does_not_count_toward_the_window():
+    spec = {1: S, 2: S, 3: S, 4: S}
+    policy = RetentionPolicy(max_state_dict_to_keep=2)
+    assert _deleted(spec, policy)[0] == [1, 2]
+    # 3's files changed and its withdrawal is retried: 2 is one of the two state dicts that stay.
+    plan = plan_retention(_entries(spec), policy, protected=set(), failed=set(), withdrawing={3})
+    assert [e.step for e in plan.delete] == [1]
+    # A full checkpoint of the step counts as it is: only the state dict is being withdrawn.
+    plan = plan_retention(_entries({**spec, 3: BOTH}), policy, protected=set(), failed=set(), withdrawing={3})
+    assert [e.step for e in plan.delete] == [1, 2]
+
+
 def test_never_the_protected_nor_the_newest_nor_anything_newer():
     spec = {1: C, 2: C, 3: C, 4: frozenset(), 5: C}
     delete, _, idle = _deleted(spec, RetentionPolicy(max_ckpt_to_keep=2, max_state_dict_to_keep=2), protected={1})

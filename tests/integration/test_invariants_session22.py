@@ -514,7 +514,7 @@ def test_i6_a_name_of_another_state_is_refused_before_anything_changes(make_moni
     assert not problems, problems
 
 
-# -- breaks of I1/I2 ------------------------------------------------------------------------------
+# -- I1/I2: the cases that broke, fixed since ------------------------------------------------------
 
 
 def test_i2_a_committed_state_dict_file_replaced_without_a_report_is_withdrawn(make_monitor, tmp_path, run_name):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import math
 import os
@@ -497,3 +498,39 @@ def assert_same_state(want, got, path: str = "state") -> None:
         assert got == want and math.copysign(1, got) == math.copysign(1, want), path
     else:
         assert got == want, path
+
+
+def unit_receipt(root: str, attempt: int, step: int, worker: str) -> dict | None:
+    """The receipt that ``worker``'s unit of ``step`` wrote in ``attempt`` (its status), if any."""
+    for p in glob.glob(f"{root}/.ckptd/pending/{attempt}/{step}/unit-*.json"):
+        try:
+            with open(p) as f:
+                body = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if body["unit"]["worker"] == worker:
+            return body
+    return None
+
+
+def end_unheard(monitor, root: str, step: int, worker: str, gate: str, actor, status: str,
+                method: str = "ping", timeout_s: float = 60.0) -> None:
+    """Let ``worker``'s unit of ``step``, held in ``actor``'s process until the file ``gate``
+    exists (it creates ``{gate}.waiting`` first), end while the monitor is frozen (SIGSTOP): once
+    its receipt says ``status``, its process is killed (its notification dies with it), then the
+    monitor is SIGKILLed, and Ray's restart of it awaited. The restarted monitor knows of the
+    unit's end only from its receipt. ``method``: one of ``actor``'s, to tell it is gone."""
+    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=timeout_s, what="the unit to reach its gate")
+    info = ray.get(monitor.ping.remote())
+    assert (unit_receipt(root, info["attempt"], step, worker) or {}).get("status") == "started"
+    os.kill(info["pid"], signal.SIGSTOP)
+    try:
+        open(gate, "w").close()
+        wait_for(lambda: (unit_receipt(root, info["attempt"], step, worker) or {}).get("status") == status,
+                 timeout_s=timeout_s, what=f"the unit's {status} receipt")
+        ray.kill(actor)
+        wait_for(lambda: actor_gone(actor, method), what="the unit's process to end")
+    finally:
+        os.kill(info["pid"], signal.SIGKILL)
+    wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != info["pid"], timeout_s=timeout_s,
+             what="the monitor to restart")

@@ -31,8 +31,6 @@ or replaced by a new job on the same root), real writer processes and a real fil
 from __future__ import annotations
 
 import copy
-import glob
-import json
 import os
 import resource
 import shutil
@@ -52,9 +50,9 @@ from ckptd.commit import TMP_PREFIX
 from ckptd.workers import state_file
 
 from .helpers import (
-    actor_gone,
     assert_same_state,
     assert_trackers_verified,
+    end_unheard,
     failpoint_env,
     read_manifest,
     restart_monitor,
@@ -371,22 +369,7 @@ def test_a_unit_that_replaced_a_committed_state_dicts_file_unheard_is_refused_by
     saver = _HeldSaver.remote(run_name)
     gate = str(tmp_path / "gate")
     ray.get(saver.save.remote(3, gate, outcome == "failed"))
-    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the unit to reach its structure")
-    attempt = ray.get(monitor.ping.remote())["attempt"]
-    receipt = [p for p in glob.glob(f"{root}/.ckptd/pending/{attempt}/3/unit-*.json")
-               if json.load(open(p))["unit"]["worker"] == "w1"]
-    assert len(receipt) == 1 and json.load(open(receipt[0]))["status"] == "started"
-    pid = ray.get(monitor.ping.remote())["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        open(gate, "w").close()
-        wait_for(lambda: json.load(open(receipt[0]))["status"] == outcome, timeout_s=DEADLINE_S,
-                 what="the unit's receipt")
-        ray.kill(saver)
-        wait_for(lambda: actor_gone(saver), what="the saver's process to end")
-    finally:
-        os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != pid, what="the monitor to restart")
+    end_unheard(monitor, root, 3, "w1", gate, saver, outcome, timeout_s=DEADLINE_S)
     _assert_failed(coord, 3)
     wait_for(lambda: read_manifest(root, 3, SD) is None, timeout_s=DEADLINE_S,
              what="the restarted monitor to withdraw the state dict of step 3")

@@ -78,11 +78,8 @@ could not be saved for ``optimizer_name=`` at all.
 from __future__ import annotations
 
 import copy
-import glob
-import json
 import os
 import pickle
-import signal
 
 import pytest
 import ray
@@ -94,14 +91,15 @@ from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
 from .helpers import (
-    actor_gone,
     arm_in_monitor,
     assert_same_state,
     assert_trackers_verified,
+    end_unheard,
     failpoint_env,
     read_manifest,
     restart_monitor,
     start_new_job,
+    unit_receipt,
     wait_all,
     wait_for,
     write_step_file,
@@ -215,19 +213,6 @@ class _Rewriter:
         return wait_all(self.coord)
 
 
-def _receipt(root: str, attempt: int, step: int, worker: str) -> dict | None:
-    """The receipt that ``worker``'s unit of ``step`` wrote (its outcome), if any."""
-    for p in glob.glob(f"{root}/.ckptd/pending/{attempt}/{step}/unit-*.json"):
-        try:
-            with open(p) as f:
-                body = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if body["unit"]["worker"] == worker:
-            return body
-    return None
-
-
 # -- I4: commits while a withdrawal is retried -----------------------------------------------------
 
 
@@ -297,7 +282,7 @@ def test_i2_two_units_and_a_duplicate_report_during_a_retried_withdrawal(make_mo
         ray.get(rw2.rewrite.remote(3, "optim.state.json", "fails"))
         wait_for(lambda: len(_revoke_loops(monitor, 3)) == 2, what="the second withdrawal")
         # The first unit's report again, as a relay's fallback sends it straight to the monitor.
-        body = _receipt(root, ray.get(monitor.ping.remote())["attempt"], 3, "w1")
+        body = unit_receipt(root, ray.get(monitor.ping.remote())["attempt"], 3, "w1")
         assert body is not None and body["status"] == "finished"
         dup = monitor.notify_batch.remote([("finished", body["unit"], {"files": body["files"],
                                                                         "found": body["found"]})])
@@ -562,18 +547,7 @@ def test_i2_a_restart_withdraws_for_a_finished_unit_it_never_heard_of(make_monit
     rw = _Rewriter.remote(run_name, "w1")
     gate = str(tmp_path / "gate")
     ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports", gate))
-    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the unit to be admitted")
-    info = ray.get(monitor.ping.remote())
-    os.kill(info["pid"], signal.SIGSTOP)
-    try:
-        open(gate, "w").close()
-        wait_for(lambda: (_receipt(root, info["attempt"], 3, "w1") or {}).get("status") == "finished",
-                 timeout_s=DEADLINE_S, what="the unit's receipt")
-        ray.kill(rw)
-        wait_for(lambda: actor_gone(rw, "pid"), what="the rewriter's process to end")
-    finally:
-        os.kill(info["pid"], signal.SIGKILL)
-    wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != info["pid"], timeout_s=DEADLINE_S, what="the restart")
+    end_unheard(monitor, root, 3, "w1", gate, rw, "finished", method="pid", timeout_s=DEADLINE_S)
     wait_for(lambda: not _busy(monitor), what="the restarted monitor's start-up")
     assert read_manifest(root, 3, SD) is None, "the state dict still lists the replaced optim.safetensors"
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}

@@ -61,7 +61,6 @@ the state dict stays, and the full checkpoint of the step fails, as it does live
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 import ray
@@ -72,15 +71,15 @@ from ckptd.manifest import Manifest, changed_files
 from ckptd.storage import Storage
 
 from .helpers import (
-    actor_gone,
     assert_trackers_verified,
+    end_unheard,
     ledger_records,
     read_manifest,
     start_new_job,
     wait_all,
     wait_for,
 )
-from .test_invariants_session22 import _busy, _receipt
+from .test_invariants_session22 import _busy
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -265,19 +264,7 @@ def test_i4_a_wrong_report_of_an_intact_committed_file_keeps_the_state_dict(make
     else:
         gate = str(tmp_path / "gate")
         ray.get(liar.lie.remote(3, "weights.bin", gate))
-        wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the unit to be admitted")
-        info = ray.get(monitor.ping.remote())
-        os.kill(info["pid"], signal.SIGSTOP)
-        try:
-            open(gate, "w").close()
-            wait_for(lambda: (_receipt(root, info["attempt"], 3, "w1") or {}).get("status") == "finished",
-                     timeout_s=DEADLINE_S, what="the unit's receipt")
-            ray.kill(liar)
-            wait_for(lambda: actor_gone(liar, "wait_all"), what="the liar's process to end")
-        finally:
-            os.kill(info["pid"], signal.SIGKILL)
-        wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != info["pid"], timeout_s=DEADLINE_S,
-                 what="the restart")
+        end_unheard(monitor, root, 3, "w1", gate, liar, "finished", method="wait_all", timeout_s=DEADLINE_S)
     wait_for(lambda: not _busy(monitor), what="the monitor to settle step 3")
     # I4: the intact state dict is not withdrawn.
     assert read_manifest(root, 3, SD) == sd_manifest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import itertools
 import json
 import math
 import os
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
@@ -534,3 +537,26 @@ def end_unheard(monitor, root: str, step: int, worker: str, gate: str, actor, st
         os.kill(info["pid"], signal.SIGKILL)
     wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != info["pid"], timeout_s=timeout_s,
              what="the monitor to restart")
+
+
+_env_blocks = itertools.count(1)
+
+
+@dataclass
+class Env:
+    """A test's share of a monitor that a module's tests share: its steps are s + 1, s + 2, ...
+    (blocks of 100 per test, so no two tests of the module save into the same step)."""
+
+    root: str
+    monitor: Any
+    s: int
+
+    @classmethod
+    def next_block(cls, root: str, monitor: Any) -> Env:
+        return cls(root, monitor, 100 * next(_env_blocks))
+
+    def coord(self, **kwargs) -> ckptd.CheckpointCoordinator:
+        return ckptd.CheckpointCoordinator(self.monitor, worker_id=f"w{self.s}", **kwargs)
+
+    def step_dir(self, step: int) -> str:
+        return ckptd.step_dir(self.root, step)

@@ -22,7 +22,6 @@ part-way):
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import resource
@@ -30,8 +29,6 @@ import signal
 import threading
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import ray
@@ -41,7 +38,7 @@ from safetensors.torch import load_file
 import ckptd
 from ckptd import failpoints
 
-from .helpers import wait_for
+from .helpers import Env, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -65,23 +62,10 @@ def _shared_monitor(ray_local, tmp_path_factory):
     ray.kill(monitor, no_restart=True)
 
 
-_blocks = itertools.count(1)
-
-
-@dataclass
-class Env:
-    root: str
-    monitor: Any
-    s: int  # this test's steps are s + 1, s + 2, ...
-
-    def coord(self, **kwargs) -> ckptd.CheckpointCoordinator:
-        return ckptd.CheckpointCoordinator(self.monitor, worker_id=f"w{self.s}", **kwargs)
-
-
 @pytest.fixture
 def env(_shared_monitor) -> Env:
     root, monitor = _shared_monitor
-    return Env(root, monitor, 100 * next(_blocks))
+    return Env.next_block(root, monitor)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

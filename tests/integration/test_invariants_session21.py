@@ -54,7 +54,6 @@ import collections
 import copy
 import enum
 import io
-import itertools
 import json
 import logging
 import math
@@ -66,7 +65,6 @@ import resource
 import shutil
 import signal
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,7 +78,7 @@ from ckptd import failpoints
 from ckptd.workers.safetensors_io import plan_safetensors
 from ckptd.workers.state_file import split
 
-from .helpers import assert_same_state, wait_for
+from .helpers import Env, assert_same_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -108,26 +106,10 @@ def _shared_monitor(ray_local, tmp_path_factory):
     shutil.rmtree(base, ignore_errors=True)
 
 
-_blocks = itertools.count(1)
-
-
-@dataclass
-class Env:
-    root: str
-    monitor: Any
-    s: int  # this test's steps are s + 1, s + 2, ...
-
-    def coord(self, **kwargs) -> ckptd.CheckpointCoordinator:
-        return ckptd.CheckpointCoordinator(self.monitor, worker_id=f"w{self.s}", **kwargs)
-
-    def step_dir(self, step: int) -> str:
-        return ckptd.step_dir(self.root, step)
-
-
 @pytest.fixture
 def env(_shared_monitor) -> Env:
     root, monitor = _shared_monitor
-    return Env(root, monitor, 100 * next(_blocks))
+    return Env.next_block(root, monitor)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

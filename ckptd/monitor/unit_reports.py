@@ -194,7 +194,8 @@ class UnitReports:
         that publishes two files, a ``save_fn`` that writes and then raises); a finished unit's
         report is checked against the same list in :meth:`_finished`. Storage decides: every
         listed file is checksummed, which only happens for a step whose state dict committed and
-        one of whose units failed."""
+        one of whose units failed (or, after a restart, finished reporting a listed file with
+        other bytes: ``actor._resume_step``)."""
         if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
                 or self._ledger.state_of(rec.step, Kind.CHECKPOINT) in (StepState.COMMITTED, StepState.COMMITTING)
                 or not rec[SD].committed_files):
@@ -204,7 +205,7 @@ class UnitReports:
             return False
         await self._revoke_state_dict(rec, (
             f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
-            "lists (the unit replaced it before it failed): committed files must not change, so that state "
+            "lists (a unit of the step replaced it): committed files must not change, so that state "
             "dict is withdrawn. Write the full checkpoint's files under other names, or save into a new step"))
         return True
 

@@ -11,10 +11,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from ckptd.coordinator.notifier import Notifier
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, CheckpointTimeoutError
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import actor_name, describe_attempt
 
@@ -81,12 +81,28 @@ class MonitorClient:
         self._attempt_label = label or (describe_attempt(attempt) if attempt else None)
         self.metrics = RunMetrics(run)
 
-    def call(self, method: str, *args: Any) -> Any:
-        deadline = time.monotonic() + self._timeout_s
+    def call(self, method: str, *args: Any, waits_s: float | None = 0.0) -> Any:
+        """``method(*args)`` on the monitor, and its answer.
+
+        The answer must come within the client's timeout of the first try, retries included;
+        ``waits_s`` is added for a method that waits on the monitor by design (``wait_committed``'s
+        own timeout), and None lifts the bound on the answer (a wait the caller asked to be
+        unbounded, or a writer slot, which comes when other writers end); retries while the
+        monitor is unreachable still end at the client's timeout.
+
+        Raises:
+            RayActorError: the monitor stayed unreachable (dead, restarting) until the deadline.
+            CheckpointTimeoutError: the monitor is alive but did not answer in time (frozen, say,
+                or stuck): the call may still be applied later, as a retried one may.
+        """
+        deadline = time.monotonic() + self._timeout_s + (waits_s or 0.0)  # for retries, whatever waits_s
         delay = 0.1
         while True:
+            ref = getattr(self._handle, method).remote(*args)
             try:
-                return ray.get(getattr(self._handle, method).remote(*args))
+                return ray.get(ref, timeout=None if waits_s is None else max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                raise self._unanswered(method, waits_s) from None
             except RayActorError:
                 if time.monotonic() > deadline:
                     raise
@@ -96,11 +112,15 @@ class MonitorClient:
                 self._reattach()
 
     async def call_async(self, method: str, *args: Any) -> Any:
+        """:meth:`call` for a coroutine (with the client's timeout as the bound)."""
         deadline = time.monotonic() + self._timeout_s
         delay = 0.1
         while True:
+            ref = getattr(self._handle, method).remote(*args)
             try:
-                return await getattr(self._handle, method).remote(*args)
+                return await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise self._unanswered(method, 0.0) from None
             except RayActorError:
                 if time.monotonic() > deadline:
                     raise
@@ -108,6 +128,14 @@ class MonitorClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 self._reattach()
+
+    def _unanswered(self, method: str, waits_s: float) -> CheckpointTimeoutError:
+        bound = f"{self._timeout_s:g} s" + (f" (+ the {waits_s:g} s it waits)" if waits_s else "")
+        return CheckpointTimeoutError(
+            f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} did not answer "
+            f"{method} within {bound}: it is alive but not answering (stopped, stuck, or still restarting). "
+            "The call may still take effect when it resumes; raise the coordinator's notify_timeout_s if it "
+            "is only slow.")
 
     def use_relay(self, node_id: str, zones: int = 0) -> None:
         """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``,
@@ -168,8 +196,8 @@ class MonitorClient:
             return  # not re-created (yet); keep retrying the old handle until the deadline
         if self._attempt is not None:
             try:
-                now = ray.get(handle.ping.remote())
-            except RayActorError:
+                now = ray.get(handle.ping.remote(), timeout=self._timeout_s)
+            except (RayActorError, GetTimeoutError):
                 return  # not answering yet: tried again at the next retry
             if now.get("attempt_id") != self._attempt:
                 raise CheckpointError(

@@ -61,7 +61,9 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         max_staged: How many staged snapshots of one name (:meth:`save_state_async`) may be in
             flight; the next save of that name waits for one to be written. Staging memory is
             at most this many copies of the state, allocated once and reused.
-        notify_timeout_s: How long notifications are retried while the monitor is unreachable.
+        notify_timeout_s: How long a call to the monitor may take, retries included: a monitor
+            that stays unreachable (dead, restarting) or alive and not answering (stopped,
+            stuck) for that long fails the call, and a save that needed it fails with the cause.
         writer: Where :meth:`save_state_async` writes its snapshots: ``"thread"`` (a save thread
             of this process) or ``"process"`` (a writer process of this coordinator, with the
             staging buffers in shared memory, so a GIL-bound training loop does not share its

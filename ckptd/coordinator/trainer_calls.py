@@ -117,7 +117,8 @@ class TrainerCalls:
         """
         kind = Kind.from_flag(is_state_dict)
         self._flush_registrations()  # a registration still on its way could be the step's last
-        result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s)
+        result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s,
+                                   waits_s=timeout_s)
         if result["committed"]:
             return
         if result["cause"] is None:
@@ -135,7 +136,7 @@ class TrainerCalls:
                 (``monitor.status.remote().mirror`` says why).
             CheckpointError: the monitor has no mirror, or the step cannot be mirrored.
         """
-        result = self._client.call("wait_mirrored", check_step(global_step), timeout_s)
+        result = self._client.call("wait_mirrored", check_step(global_step), timeout_s, waits_s=timeout_s)
         if result["mirrored"]:
             return
         if result["error"] is None:

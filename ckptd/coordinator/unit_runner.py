@@ -144,7 +144,7 @@ class UnitRunner:
             answer = self._client.notify(("started", unit.to_dict(), self._timing() or None))
             refused = answer["refused"] if answer and "refused" in answer else None
         else:
-            result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process)
+            result = self._client.call("acquire_slot", unit.to_dict(), self._node, self._process, waits_s=None)
             refused = result.get("aborted")
         if refused is not None:
             protocol.remove_receipt(self._storage, self._attempt, unit)

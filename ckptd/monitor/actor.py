@@ -30,7 +30,7 @@ from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, starte
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import StepLedger
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -133,18 +133,43 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail
         # before anything can commit them.
         self._ledger.expire(time.time())
-        for rec in rebuilt.steps:
-            self._spawn(self._resume_step(rec))
-        self._retention.schedule()
+        self._spawn(self._resume(rebuilt.steps))
 
-    async def _resume_step(self, rec) -> None:
-        """A step in flight when this monitor started: a unit that ended before the restart (failed,
-        or finished reporting a file of the committed state dict with other bytes, as
-        ``_finished`` checks live) may have replaced a file of its committed state dict (see
-        ``withdraw_if_changed``)."""
-        if any(u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
-               for u in rec.units.values()):
-            await self.withdraw_if_changed(rec, "a unit of the step ended before the monitor restarted")
+    async def _resume(self, steps: list[StepRecord]) -> None:
+        """The steps in flight when this monitor started. A committed state dict whose full
+        checkpoint was under way may have had a file replaced since it committed (by a unit, or
+        by anything else), and the last monitor may have died withdrawing it: its files are
+        checked again (see ``withdraw_if_changed``), and retention's first pass waits for these
+        checks, so that it never counts a stale state dict among those it keeps."""
+        stale: dict[int, list[str]] = {}
+
+        async def check(rec: StepRecord) -> None:
+            try:
+                gone = await self._changed_state_dict(rec)
+            except Exception as e:  # best-effort: as before the restart, the next failure checks again
+                log.error("step %d: could not check its committed state dict at start-up: %s: %s",
+                          rec.step, type(e).__name__, e)
+                return
+            if gone:
+                rec[SD].withdrawing = True  # before retention's pass: kept, not counted
+                stale[rec.step] = gone
+
+        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec)))
+        self._retention.release()
+        for rec in steps:
+            self._spawn(self._resume_step(rec, stale.get(rec.step)))
+
+    def _touched(self, rec: StepRecord) -> bool:
+        """Whether a unit or the full checkpoint of the step may have changed its committed state
+        dict: a state dict alone (no checkpoint registered or saved) is not checked again."""
+        return rec.active(Kind.CHECKPOINT) or any(
+            u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
+            for u in rec.units.values())
+
+    async def _resume_step(self, rec: StepRecord, gone: list[str] | None) -> None:
+        if gone:
+            await self._revoke_state_dict(rec, self._withdrawn_because(
+                rec, gone, "the step was in flight when the monitor restarted"))
         await self._after_change(rec)
 
     def _spawn(self, coro) -> None:

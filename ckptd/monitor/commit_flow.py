@@ -105,6 +105,15 @@ class CommitFlow:
         self._metrics.inc(FAILED_STEPS, kind=kind)
         written.set()
         self._failure_writes.pop(key, None)
+        if kind is CKPT:
+            # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
+            # step's committed state dict may have been replaced meanwhile: storage is checked
+            # before the waiters hear of the failure.
+            try:
+                await self.withdraw_if_changed(rec, f"the step's full checkpoint failed ({reason})")
+            except Exception as e:  # a check it could not make; the state dict is what it was
+                log.error("step %d: could not check its committed state dict after the full checkpoint failed: "
+                          "%s: %s", rec.step, type(e).__name__, e)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
         self._wake(rec.step, kind)

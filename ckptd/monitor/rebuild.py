@@ -79,8 +79,8 @@ def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind
     """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
     edited by hand (or left by a retirement) may name a step that is not committed. Both are set
     to the newest committed step."""
-    for kind, step in newest.items():
-        current = trackers[kind]
+    for kind in Kind:  # a kind with nothing committed has no entry in ``newest``
+        step, current = newest.get(kind, -1), trackers[kind]
         if step < 0 and current is not None and not ledger.is_committed(current, kind):
             committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name
             trackers[kind] = None

@@ -245,11 +245,19 @@ class RetentionRunner:
         self._readers = readers  # a ReaderRegistry: its leases keep steps until the last moment
         self._running = False
         self._again = False
+        self._released = asyncio.Event()  # no pass before release(): see its docstring
         self.idle = asyncio.Event()
         self.idle.set()
         self.passes = 0
         self.deleted: list[int] = []
         self.errors: list[str] = []
+
+    def release(self) -> None:
+        """Let passes run, and run one. Until then :meth:`schedule` only queues a pass: a monitor
+        that starts checks the state dicts of its steps in flight first, so that one that was
+        being withdrawn when the last monitor died is not counted among those it keeps."""
+        self._released.set()
+        self.schedule()
 
     def schedule(self) -> None:
         if self._running:
@@ -261,6 +269,7 @@ class RetentionRunner:
 
     async def _loop(self) -> None:
         try:
+            await self._released.wait()
             while True:
                 self._again = False
                 in_flight = self._ledger.in_flight_steps()

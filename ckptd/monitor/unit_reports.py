@@ -12,7 +12,7 @@ from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
 from ckptd.manifest import FileEntry, Manifest
 from ckptd.metrics import FAILED_UNITS
-from ckptd.monitor.ledger import SD, StepRecord, StepState
+from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 from ckptd.protocol import UnitFailure, UnitId
 
 log = logging.getLogger("ckptd.monitor")
@@ -106,6 +106,9 @@ class UnitReports:
 
     async def _finished(self, uid: UnitId, files: list[FileEntry], found: bool = False) -> dict | None:
         self._release_slot(uid)
+        if self._ledger.state_of(uid.step, SD) is StepState.COMMITTING:
+            # Its committed files are known once that commit ends: the report is checked against them.
+            await self.quiesce(uid.step)
         rec = self._ledger.get(uid.step)
         counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
         changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
@@ -183,31 +186,44 @@ class UnitReports:
         unit = rec.units.get(uid.key)
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
             self._metrics.inc(FAILED_UNITS, kind=uid.kind)
-        await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
+        if not (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded):
+            # Else the full checkpoint failed now, and recording that failure checks (_record_failure).
+            await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
         await self._after_change(rec)
 
     async def withdraw_if_changed(self, rec: StepRecord, after: str) -> bool:
         """Withdraw the committed state dict of ``rec`` if storage no longer holds the files its
         manifest lists (True if it did), while the step's full checkpoint may still come.
 
-        A failed unit reports no files, but it may have replaced one before it failed (a writer
-        that publishes two files, a ``save_fn`` that writes and then raises); a finished unit's
-        report is checked against the same list in :meth:`_finished`. Storage decides: every
-        listed file is checksummed, which only happens for a step whose state dict committed and
-        one of whose units failed (or, after a restart, finished reporting a listed file with
-        other bytes: ``actor._resume_step``)."""
-        if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
-                or self._ledger.state_of(rec.step, Kind.CHECKPOINT) in (StepState.COMMITTED, StepState.COMMITTING)
-                or not rec[SD].committed_files):
-            return False
-        gone = await self._in_thread(self._committer.differs, rec.step, list(rec[SD].committed_files.values()))
+        Called on every failure of the step: a failed unit (which reports no files, but may have
+        replaced one before it failed: a writer that publishes two files, a ``save_fn`` that
+        writes and then raises), a full checkpoint that failed (its commit, or its timeout), and a
+        restart (``actor._resume``); a finished unit's report is checked against the same list in
+        :meth:`_finished`. Storage decides: every listed file is checksummed, which only happens
+        for a step whose state dict committed."""
+        gone = await self._changed_state_dict(rec)
         if not gone:
             return False
-        await self._revoke_state_dict(rec, (
-            f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
-            "lists (a unit of the step replaced it): committed files must not change, so that state "
-            "dict is withdrawn. Write the full checkpoint's files under other names, or save into a new step"))
+        await self._revoke_state_dict(rec, self._withdrawn_because(rec, gone, after))
         return True
+
+    async def _changed_state_dict(self, rec: StepRecord) -> list[str]:
+        """The files of the step's committed state dict that storage no longer holds as listed,
+        while its full checkpoint may still come (else nothing is checked)."""
+        if self._ledger.state_of(rec.step, SD) is StepState.COMMITTING:
+            # The commit may have checked a file before it was replaced: look once it has ended.
+            await self.quiesce(rec.step)
+        if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
+                or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
+                or not rec[SD].committed_files):
+            return []
+        return await self._in_thread(self._committer.differs, rec.step, list(rec[SD].committed_files.values()))
+
+    @staticmethod
+    def _withdrawn_because(rec: StepRecord, gone: list[str], after: str) -> str:
+        return (f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
+                "lists (replaced since it committed): committed files must not change, so that state dict is "
+                "withdrawn. Write the full checkpoint's files under other names, or save into a new step")
 
 
 def _parse(event: str, unit: Any, payload: Any) -> tuple[UnitId, Any]:

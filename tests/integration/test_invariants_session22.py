@@ -162,7 +162,8 @@ def _revoke_loops(monitor, step: int) -> list[int]:
     return ray.get(monitor.__ray_call__.remote(loops))
 
 
-_WORK = ("_resume_step", "withdraw_if_changed", "_revoke_state_dict", "_commit", "_record_failure")
+_WORK = ("_resume", "_resume_step", "withdraw_if_changed", "_changed_state_dict", "_revoke_state_dict", "_commit",
+         "_record_failure")
 
 
 def _busy(monitor) -> list[str]:

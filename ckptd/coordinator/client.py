@@ -81,26 +81,35 @@ class MonitorClient:
         self._attempt_label = label or (describe_attempt(attempt) if attempt else None)
         self.metrics = RunMetrics(run)
 
-    def call(self, method: str, *args: Any, waits_s: float | None = 0.0) -> Any:
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    def call(self, method: str, *args: Any, waits_s: float | None = 0.0, until: float | None = None) -> Any:
         """``method(*args)`` on the monitor, and its answer.
 
         The answer must come within the client's timeout of the first try, retries included;
         ``waits_s`` is added for a method that waits on the monitor by design (``wait_committed``'s
-        own timeout), and None lifts the bound on the answer (a wait the caller asked to be
-        unbounded, or a writer slot, which comes when other writers end); retries while the
-        monitor is unreachable still end at the client's timeout.
+        own timeout). With None, it is waited for as long as the monitor is alive: as long as it
+        answers a ping within the timeout (a wait the caller asked to be unbounded, or a writer
+        slot, which comes when other writers end). ``until`` (``time.monotonic()``) replaces the
+        bound on the answer, for calls that share one. Retries while the monitor is unreachable
+        end at the client's timeout (plus ``waits_s``) in every case.
 
         Raises:
             RayActorError: the monitor stayed unreachable (dead, restarting) until the deadline.
-            CheckpointTimeoutError: the monitor is alive but did not answer in time (frozen, say,
+            CheckpointTimeoutError: the monitor is alive but did not answer in time (stopped, say,
                 or stuck): the call may still be applied later, as a retried one may.
         """
         deadline = time.monotonic() + self._timeout_s + (waits_s or 0.0)  # for retries, whatever waits_s
+        answer_by = until if until is not None else None if waits_s is None else deadline
         delay = 0.1
         while True:
             ref = getattr(self._handle, method).remote(*args)
             try:
-                return ray.get(ref, timeout=None if waits_s is None else max(0.0, deadline - time.monotonic()))
+                if answer_by is None:
+                    return self._get_while_alive(ref, method)
+                return ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))
             except GetTimeoutError:
                 raise self._unanswered(method, waits_s) from None
             except RayActorError:
@@ -111,14 +120,30 @@ class MonitorClient:
                 delay = min(delay * 2, 5.0)
                 self._reattach()
 
-    async def call_async(self, method: str, *args: Any) -> Any:
-        """:meth:`call` for a coroutine (with the client's timeout as the bound)."""
+    def _get_while_alive(self, ref: Any, method: str) -> Any:
+        """``ray.get(ref)`` for as long as the monitor answers a ping within the client's timeout."""
+        while True:
+            try:
+                return ray.get(ref, timeout=self._timeout_s)
+            except GetTimeoutError:
+                pass
+            try:
+                ray.get(self._handle.ping.remote(), timeout=self._timeout_s)
+            except GetTimeoutError:
+                raise self._unanswered(method, None) from None
+            except RayActorError:
+                pass  # gone: ``ref`` raises it too, and the caller retries
+
+    async def call_async(self, method: str, *args: Any, bounded: bool = True) -> Any:
+        """:meth:`call` for a coroutine, with the client's timeout as the bound on the answer;
+        ``bounded=False`` waits for a live monitor's answer without one (a relay, whose every
+        coordinator bounds its own wait for the relay), retrying while it is unreachable."""
         deadline = time.monotonic() + self._timeout_s
         delay = 0.1
         while True:
             ref = getattr(self._handle, method).remote(*args)
             try:
-                return await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+                return await (asyncio.wait_for(ref, max(0.0, deadline - time.monotonic())) if bounded else ref)
             except asyncio.TimeoutError:
                 raise self._unanswered(method, 0.0) from None
             except RayActorError:
@@ -129,13 +154,15 @@ class MonitorClient:
                 delay = min(delay * 2, 5.0)
                 self._reattach()
 
-    def _unanswered(self, method: str, waits_s: float) -> CheckpointTimeoutError:
-        bound = f"{self._timeout_s:g} s" + (f" (+ the {waits_s:g} s it waits)" if waits_s else "")
+    def _unanswered(self, method: str, waits_s: float | None) -> CheckpointTimeoutError:
+        if waits_s is None:
+            what = f"a ping within {self._timeout_s:g} s while {method} waited"
+        else:
+            what = f"{method} within {self._timeout_s:g} s" + (f" (+ the {waits_s:g} s it waits)" if waits_s else "")
         return CheckpointTimeoutError(
-            f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} did not answer "
-            f"{method} within {bound}: it is alive but not answering (stopped, stuck, or still restarting). "
-            "The call may still take effect when it resumes; raise the coordinator's notify_timeout_s if it "
-            "is only slow.")
+            f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} did not answer {what}: "
+            "it is alive but not answering (stopped, stuck, or still restarting). The call may still take effect "
+            "when it resumes; raise the coordinator's notify_timeout_s if it is only slow.")
 
     def use_relay(self, node_id: str, zones: int = 0) -> None:
         """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``,

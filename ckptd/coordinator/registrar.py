@@ -15,7 +15,9 @@ registration can go in the background as long as two orders are kept:
 
 What the monitor answers (an error) is kept and raised by the caller's next ``register``,
 ``wait_all``, ``wait_committed`` or ``close``, which also wait until every registration made
-before them was applied.
+before them was applied. Once the monitor has not answered one registration in time, those
+queued behind it by then share one more timeout, rather than one each: a stopped monitor holds
+``close()`` for about two timeouts, however many registrations were queued.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointError, CheckpointTimeoutError
 
 log = logging.getLogger("ckptd.coordinator")
 
@@ -35,12 +38,15 @@ class Registrar:
     """One thread that applies registrations in the order they were made.
 
     Args:
-        send: Sends one registration and raises what the monitor answered, if it was an error.
+        send: Sends one registration and raises what the monitor answered, if it was an error;
+            its second argument is None or the ``time.monotonic()`` by which the answer must come.
         name: The thread's name.
+        timeout_s: The bound shared by the registrations queued behind one that went unanswered.
     """
 
-    def __init__(self, send: Callable[[tuple], None], name: str) -> None:
+    def __init__(self, send: Callable[[tuple, float | None], None], name: str, timeout_s: float) -> None:
         self._send = send
+        self._timeout_s = timeout_s
         self._queue: queue.Queue[tuple | None] = queue.Queue()
         self._cond = threading.Condition()
         self._submitted = 0  # registrations queued so far
@@ -97,13 +103,20 @@ class Registrar:
                 self._queue.put(None)
 
     def _run(self) -> None:
+        sent = 0
+        shared: tuple[int, float] | None = None  # (the last ticket queued, its bound) after one went unanswered
         while True:
             args = self._queue.get()
             try:
                 if args is None:
                     return
-                self._send(args)
+                sent += 1
+                until = shared[1] if shared is not None and sent <= shared[0] else None
+                self._send(args, until)
             except BaseException as e:  # noqa: BLE001 - kept for the caller, whatever it is
+                if isinstance(e, CheckpointTimeoutError) and (shared is None or sent > shared[0]):
+                    with self._cond:
+                        shared = (self._submitted, time.monotonic() + self._timeout_s)
                 with self._cond:
                     self._errors.append(e)
             finally:

@@ -125,7 +125,9 @@ class RelayCore:
         if upstream is None:
             client = MonitorClient(monitor, timeout_s)
             client.bind(run, namespace, attempt)
-            upstream = partial(client.call_async, "notify_batch")
+            # No bound on a live monitor's answer here: one batch carries several coordinators'
+            # events, and each bounds its own wait for the relay (``_Route.send``).
+            upstream = partial(client.call_async, "notify_batch", bounded=False)
         self._upstream = upstream
         self._sender = GroupSender(self._forward)
         self.forwarded = 0  # events

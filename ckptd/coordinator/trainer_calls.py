@@ -70,8 +70,9 @@ class TrainerCalls:
             if self._registrations_closed:
                 raise CheckpointError("this CheckpointCoordinator is closed")
             if self._registrar is None:
-                self._registrar = Registrar(lambda args: _raise_for(self._client.call("register", *args)),
-                                            f"ckptd-register-{self._worker}")
+                self._registrar = Registrar(
+                    lambda args, until: _raise_for(self._client.call("register", *args, until=until)),
+                    f"ckptd-register-{self._worker}", self._client.timeout_s)
             return self._registrar
 
     def _registration_barrier(self) -> Callable[[], None] | None:

@@ -7,6 +7,8 @@ thread, so the monitor never reads checkpoint bytes.
 
 from __future__ import annotations
 
+import errno
+import io
 import time
 from dataclasses import dataclass
 
@@ -78,6 +80,9 @@ def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
     return size, hex_of(crc)
 
 
+_NOT_A_FILE = (errno.ELOOP, errno.ESPIPE, errno.ENXIO)  # a symlink loop, a pipe, a socket
+
+
 def changed_files(storage: Storage, step_name: str, entries: list[FileEntry]) -> list[str]:
     """The paths (relative to the step directory ``step_name``, itself relative to the root) whose
     bytes on storage are not what ``entries`` say (missing ones included), each read whole and
@@ -86,7 +91,11 @@ def changed_files(storage: Storage, step_name: str, entries: list[FileEntry]) ->
     for e in entries:
         try:
             size, crc = crc32_file(storage, storage.join(step_name, e.path))
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, io.UnsupportedOperation):
+            size, crc = -1, ""  # gone, or no longer a regular file (a directory, a pipe)
+        except OSError as err:
+            if err.errno not in _NOT_A_FILE:
+                raise  # storage could not be read: nothing is known about the file
             size, crc = -1, ""
         if (size, crc) != (e.size, e.crc32):
             out.append(e.path)

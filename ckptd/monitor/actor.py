@@ -30,7 +30,7 @@ from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, starte
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import SD, StepLedger, StepRecord
+from ckptd.monitor.ledger import CKPT, SD, StepLedger, StepRecord
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -113,7 +113,11 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._committed_at_start = rebuilt.committed_at_start
         self._restore_readers(rebuilt.scanned)  # before retention: leases recorded by earlier monitors hold their steps
         self._failures_recorded |= rebuilt.failures
-        self._failures_durable |= rebuilt.failures
+        # A recorded failure of a full checkpoint whose state dict ``_resume`` checks is reported
+        # only after that check (as a live one is: see ``_record_failure``).
+        self._held_failures = {(rec.step, CKPT) for rec in rebuilt.steps
+                               if (rec.step, CKPT) in rebuilt.failures and self._touched(rec)}
+        self._failures_durable |= rebuilt.failures - self._held_failures
         for step in rebuilt.settled:
             self._io.submit(self._cleanup, step)
         self._recorder = Recorder(self._storage, run, attempt, self._opts.timeline_steps,
@@ -145,10 +149,9 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
 
         async def check(rec: StepRecord) -> None:
             try:
-                gone = await self._changed_state_dict(rec)
-            except Exception as e:  # best-effort: as before the restart, the next failure checks again
-                log.error("step %d: could not check its committed state dict at start-up: %s: %s",
-                          rec.step, type(e).__name__, e)
+                gone = await self._changed_state_dict(rec)  # storage errors are retried there
+            except Exception:  # a bug: logged, and retention must still run
+                log.exception("step %d: checking its committed state dict at start-up", rec.step)
                 return
             if gone:
                 rec[SD].withdrawing = True  # before retention's pass: kept, not counted
@@ -170,6 +173,11 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         if gone:
             await self._revoke_state_dict(rec, self._withdrawn_because(
                 rec, gone, "the step was in flight when the monitor restarted"))
+        held = (rec.step, CKPT)
+        if held in self._held_failures:
+            self._held_failures.discard(held)
+            self._failures_durable.add(held)
+            self._wake(*held)
         await self._after_change(rec)
 
     def _spawn(self, coro) -> None:

@@ -21,8 +21,8 @@ from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
 
-_RETRY_BASE_S = 0.05
-_MAX_FAILURE_RETRY_S = 5.0
+RETRY_BASE_S = 0.05  # storage retries of the commit path: the first delay, and the longest
+MAX_RETRY_S = 5.0
 _NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
@@ -96,24 +96,23 @@ class CommitFlow:
                 break
             except Exception as e:
                 tries += 1
-                delay = min(_RETRY_BASE_S * 2**tries, _MAX_FAILURE_RETRY_S)
+                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
                 log.error("could not record the failure of step %d (%s): %s: %s; retry %d in %.2f s (the failure "
                           "is reported once it is recorded)", rec.step, kind.value, type(e).__name__, e, tries, delay)
                 self._metrics.inc(RETRIED_REQUESTS, request="failure_record")
                 await asyncio.sleep(delay)
-        self._failures_durable.add(key)
-        self._metrics.inc(FAILED_STEPS, kind=kind)
         written.set()
         self._failure_writes.pop(key, None)
         if kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
-            # before the waiters hear of the failure.
+            # (and the state dict withdrawn if so) before anyone hears of the failure.
             try:
                 await self.withdraw_if_changed(rec, f"the step's full checkpoint failed ({reason})")
-            except Exception as e:  # a check it could not make; the state dict is what it was
-                log.error("step %d: could not check its committed state dict after the full checkpoint failed: "
-                          "%s: %s", rec.step, type(e).__name__, e)
+            except Exception:  # the check retries storage errors itself: this is a bug, and is not hidden
+                log.exception("step %d: checking its committed state dict after the full checkpoint failed", rec.step)
+        self._failures_durable.add(key)  # from now on wait_committed answers "failed"
+        self._metrics.inc(FAILED_STEPS, kind=kind)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
         self._wake(rec.step, kind)
@@ -228,7 +227,7 @@ class CommitFlow:
                     raise
                 log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
                 self._metrics.inc(RETRIED_REQUESTS, request=request)
-                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
+                await asyncio.sleep(RETRY_BASE_S * 2**attempt)
 
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
         # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
@@ -287,7 +286,7 @@ class CommitFlow:
                 break
             except Exception as e:
                 tries += 1
-                delay = min(_RETRY_BASE_S * 2**tries, _MAX_FAILURE_RETRY_S)
+                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
                 log.error("could not withdraw the state dict of step %d: %s: %s; retry %d in %.2f s", rec.step,
                           type(e).__name__, e, tries, delay)
                 self._metrics.inc(RETRIED_REQUESTS, request="revoke")

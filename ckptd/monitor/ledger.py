@@ -85,8 +85,9 @@ class StepLedger:
                 if any(r.active(k) and not r[k].settled for k in Kind)}
 
     def withdrawing_steps(self) -> set[int]:
-        """Steps whose committed state dict is being withdrawn (its manifest may still be there)."""
-        return {r.step for r in self._records.values() if r[SD].withdrawing}
+        """Steps whose committed state dict is being withdrawn (its manifest may still be there),
+        or checked against storage, which may withdraw it: retention keeps them, uncounted."""
+        return {r.step for r in self._records.values() if r[SD].withdrawing or r[SD].checks}
 
     def failed_steps(self) -> set[int]:
         failed = {r.step for r in self._records.values() if any(r[k].state is StepState.FAILED for k in Kind)}

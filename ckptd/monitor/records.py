@@ -48,6 +48,7 @@ class KindRecord:
     committed_files: dict[str, FileEntry] = field(default_factory=dict)  # what that manifest lists
     deferred: bool = False  # a commit waits for the other kind's running units (see the commit path)
     withdrawing: bool = False  # committed, and being withdrawn: its files changed (see the commit path)
+    checks: int = 0  # checks of its files against storage in flight (see UnitReports._changed_state_dict)
 
     @property
     def settled(self) -> bool:

@@ -11,7 +11,8 @@ from typing import Any
 from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
 from ckptd.manifest import FileEntry, Manifest
-from ckptd.metrics import FAILED_UNITS
+from ckptd.metrics import FAILED_UNITS, RETRIED_REQUESTS
+from ckptd.monitor.commit_flow import MAX_RETRY_S, RETRY_BASE_S
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 from ckptd.protocol import UnitFailure, UnitId
 
@@ -209,15 +210,32 @@ class UnitReports:
 
     async def _changed_state_dict(self, rec: StepRecord) -> list[str]:
         """The files of the step's committed state dict that storage no longer holds as listed,
-        while its full checkpoint may still come (else nothing is checked)."""
-        if self._ledger.state_of(rec.step, SD) is StepState.COMMITTING:
-            # The commit may have checked a file before it was replaced: look once it has ended.
-            await self.quiesce(rec.step)
-        if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
-                or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
-                or not rec[SD].committed_files):
-            return []
-        return await self._in_thread(self._committer.differs, rec.step, list(rec[SD].committed_files.values()))
+        while its full checkpoint may still come (else nothing is checked). Meanwhile retention
+        keeps the state dict without counting it (``checks``). A read that storage refuses is
+        retried, however long that takes: until the answer, nothing is known of the files."""
+        rec[SD].checks += 1
+        try:
+            if self._ledger.state_of(rec.step, SD) is StepState.COMMITTING:
+                # The commit may have checked a file before it was replaced: look once it has ended.
+                await self.quiesce(rec.step)
+            tries = 0
+            while True:
+                if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
+                        or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
+                        or not rec[SD].committed_files):
+                    return []
+                try:
+                    return await self._in_thread(self._committer.differs, rec.step,
+                                                 list(rec[SD].committed_files.values()))
+                except Exception as e:
+                    tries += 1
+                    delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
+                    log.error("step %d: could not check its committed state dict against storage: %s: %s; retry %d "
+                              "in %.2f s", rec.step, type(e).__name__, e, tries, delay)
+                    self._metrics.inc(RETRIED_REQUESTS, request="check")
+                    await asyncio.sleep(delay)
+        finally:
+            rec[SD].checks -= 1
 
     @staticmethod
     def _withdrawn_because(rec: StepRecord, gone: list[str], after: str) -> str:

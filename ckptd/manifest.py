@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import io
+import os
+import stat
 import time
 from dataclasses import dataclass
 
@@ -89,8 +91,12 @@ def changed_files(storage: Storage, step_name: str, entries: list[FileEntry]) ->
     checksummed."""
     out = []
     for e in entries:
+        path = storage.join(step_name, e.path)
         try:
-            size, crc = crc32_file(storage, storage.join(step_name, e.path))
+            if storage.is_posix and not stat.S_ISREG(os.stat(path).st_mode):
+                size, crc = -1, ""  # a directory or a pipe now (open() would wait on a pipe for ever)
+            else:
+                size, crc = crc32_file(storage, path)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, io.UnsupportedOperation):
             size, crc = -1, ""  # gone, or no longer a regular file (a directory, a pipe)
         except OSError as err:

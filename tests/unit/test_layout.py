@@ -80,3 +80,25 @@ def test_scan_prefers_the_committed_directory_of_a_step(tmp_path):
     entry = scan_steps(Storage(root))[5]
     assert entry.name == "epoch-0_step-5" and entry.kinds == {Kind.STATE_DICT}
     assert ckptd.latest_step(root, "state_dict") == 5 and ckptd.latest_step(root) is None
+
+
+def test_changed_files_counts_a_listed_path_that_is_no_longer_a_regular_file(tmp_path):
+    """What the state-dict checks read back (``manifest.changed_files``): a listed file replaced
+    by a directory, a pipe or a symlink loop is changed, not an error that leaves the check
+    without an answer; an intact file is not."""
+    from ckptd.manifest import FileEntry, changed_files, crc32_file
+
+    storage = Storage(str(tmp_path))
+    step = tmp_path / "global_step_1"
+    step.mkdir()
+    entries = []
+    for name in ("intact.bin", "dir.bin", "pipe.bin", "loop.bin", "gone.bin"):
+        (step / name).write_bytes(os.urandom(64))
+        size, crc = crc32_file(storage, storage.join("global_step_1", name))
+        entries.append(FileEntry(path=name, size=size, crc32=crc))
+    for name in ("dir.bin", "pipe.bin", "loop.bin", "gone.bin"):
+        (step / name).unlink()
+    (step / "dir.bin").mkdir()
+    os.mkfifo(step / "pipe.bin")
+    os.symlink("loop.bin", step / "loop.bin")
+    assert changed_files(storage, "global_step_1", entries) == ["dir.bin", "pipe.bin", "loop.bin", "gone.bin"]

@@ -14,11 +14,11 @@ What held:
 
 * I4, two timeouts in one process, straight to the monitor
   (``test_i4_a_short_timeout_bounds_its_calls_and_leaves_a_long_timeout_coordinator_alone``): while
-  the monitor is frozen, the 1 s coordinator's ``wait_all``, ``register(wait=True)`` and a new
-  coordinator's construction each end within a few timeouts; the 60 s coordinator of the same
-  process (another notifier: its key holds the timeout) waits through the freeze, and its save
-  commits once the monitor resumes. The short one's failed step settles failed (I3), and both
-  then commit later steps.
+  the monitor is frozen, the 1 s coordinator's ``wait_all``, ``register(wait=True)``,
+  ``wait_committed(timeout_s=0.5)`` and a new coordinator's construction each end within a few
+  timeouts; the 60 s coordinator of the same process (another notifier: its key holds the
+  timeout) waits through the freeze, and its save commits once the monitor resumes. The short
+  one's failed step settles failed (I3), and both then commit later steps.
 * I2, I3, I5 across a restart (``test_i5_late_finished_reports_commit_whole_and_a_restart_keeps_them``):
   a state-dict unit whose "finished" and "failed" both time out (frozen monitor) is applied as
   finished on SIGCONT: the state dict commits whole and verifies, although ``wait_all`` said the
@@ -186,6 +186,7 @@ def test_i4_a_short_timeout_bounds_its_calls_and_leaves_a_long_timeout_coordinat
     _long_survives_a_freeze(monitor, root, short, long, s, BOUND_S, while_frozen=(
         lambda: short.register(s + 3, checkpoint_thread_count=1),
         lambda: ckptd.CheckpointCoordinator(monitor, worker_id=f"w{s}-new", notify_timeout_s=S),
+        lambda: short.wait_committed(s + 5, timeout_s=0.5),  # its own timeout, then the client's
     ))
     _commit(short, root, s + 4)
     assert assert_trackers_verified(root)[CKPT] == s + 4

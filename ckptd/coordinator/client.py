@@ -91,8 +91,8 @@ class MonitorClient:
         The answer must come within the client's timeout of the first try, retries included;
         ``waits_s`` is added for a method that waits on the monitor by design (``wait_committed``'s
         own timeout). With None, it is waited for as long as the monitor is alive: as long as it
-        answers a ping within the timeout (a wait the caller asked to be unbounded, or a writer
-        slot, which comes when other writers end). ``until`` (``time.monotonic()``) replaces the
+        answers a ping within the timeout, or Ray is restarting it (a wait the caller asked to be
+        unbounded, or a writer slot, which comes when other writers end). ``until`` (``time.monotonic()``) replaces the
         bound on the answer, for calls that share one. Retries while the monitor is unreachable
         end at the client's timeout (plus ``waits_s``) in every case.
 
@@ -103,7 +103,7 @@ class MonitorClient:
         """
         deadline = time.monotonic() + self._timeout_s + (waits_s or 0.0)  # for retries, whatever waits_s
         answer_by = until if until is not None else None if waits_s is None else deadline
-        delay = 0.1
+        delay, retried = 0.1, False
         while True:
             ref = getattr(self._handle, method).remote(*args)
             try:
@@ -113,6 +113,11 @@ class MonitorClient:
             except GetTimeoutError:
                 raise self._unanswered(method, waits_s) from None
             except RayActorError:
+                if answer_by is None and not retried:
+                    # An unbounded wait that outlived its monitor: the retries (and the lookup of a
+                    # monitor started again, see _reattach) get the timeout from now.
+                    deadline = max(deadline, time.monotonic() + self._timeout_s)
+                retried = True
                 if time.monotonic() > deadline:
                     raise
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
@@ -121,7 +126,8 @@ class MonitorClient:
                 self._reattach()
 
     def _get_while_alive(self, ref: Any, method: str) -> Any:
-        """``ray.get(ref)`` for as long as the monitor answers a ping within the client's timeout."""
+        """``ray.get(ref)`` for as long as the monitor answers a ping within the client's timeout,
+        or Ray is restarting it (a ping waits for the restart, which may take longer)."""
         while True:
             try:
                 return ray.get(ref, timeout=self._timeout_s)
@@ -130,9 +136,23 @@ class MonitorClient:
             try:
                 ray.get(self._handle.ping.remote(), timeout=self._timeout_s)
             except GetTimeoutError:
-                raise self._unanswered(method, None) from None
+                if not self._restarting():
+                    raise self._unanswered(method, None) from None
             except RayActorError:
                 pass  # gone: ``ref`` raises it too, and the caller retries
+
+    def _restarting(self) -> bool:
+        """Whether Ray is restarting the monitor's actor (the GCS says so), which a ping that goes
+        unanswered cannot tell from a stopped process. A private Ray API (``ray._private.state``,
+        as in ``drain_watch``): where it fails, False."""
+        try:
+            from ray._private import state
+
+            info = state.actors(actor_id=self._handle._actor_id.hex())
+        except Exception:
+            return False
+        return isinstance(info, dict) and info.get("State") in ("RESTARTING", "PENDING_CREATION",
+                                                                "DEPENDENCIES_UNREADY")
 
     async def call_async(self, method: str, *args: Any, bounded: bool = True) -> Any:
         """:meth:`call` for a coroutine, with the client's timeout as the bound on the answer;

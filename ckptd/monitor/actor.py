@@ -118,6 +118,8 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._held_failures = {(rec.step, CKPT) for rec in rebuilt.steps
                                if (rec.step, CKPT) in rebuilt.failures and self._touched(rec)}
         self._failures_durable |= rebuilt.failures - self._held_failures
+        for held in self._held_failures:  # what durable() waits for
+            self._failure_writes[held] = asyncio.Event()
         for step in rebuilt.settled:
             self._io.submit(self._cleanup, step)
         self._recorder = Recorder(self._storage, run, attempt, self._opts.timeline_steps,
@@ -177,6 +179,7 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         if held in self._held_failures:
             self._held_failures.discard(held)
             self._failures_durable.add(held)
+            self._failure_writes.pop(held).set()
             self._wake(*held)
         await self._after_change(rec)
 

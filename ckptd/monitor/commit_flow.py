@@ -70,8 +70,9 @@ class CommitFlow:
                 or (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded))
 
     async def durable(self, step: int) -> None:
-        """Wait until the failures of ``step`` known in memory are recorded in storage: only then
-        may anyone be told (a monitor restarted before that would not know of them)."""
+        """Wait until the failures of ``step`` known in memory are recorded in storage (a monitor
+        restarted before that would not know of them) and, for a full checkpoint, its committed
+        state dict was checked: only then may anyone be told."""
         for kind in Kind:
             event = self._failure_writes.get((step, kind))
             if event is not None:
@@ -101,8 +102,6 @@ class CommitFlow:
                           "is reported once it is recorded)", rec.step, kind.value, type(e).__name__, e, tries, delay)
                 self._metrics.inc(RETRIED_REQUESTS, request="failure_record")
                 await asyncio.sleep(delay)
-        written.set()
-        self._failure_writes.pop(key, None)
         if kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
@@ -112,6 +111,8 @@ class CommitFlow:
             except Exception:  # the check retries storage errors itself: this is a bug, and is not hidden
                 log.exception("step %d: checking its committed state dict after the full checkpoint failed", rec.step)
         self._failures_durable.add(key)  # from now on wait_committed answers "failed"
+        written.set()  # and so do a registration and an admission of the step (durable())
+        self._failure_writes.pop(key, None)
         self._metrics.inc(FAILED_STEPS, kind=kind)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)

@@ -115,8 +115,7 @@ class UnitReports:
         changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
         if changed:
             # Storage decides, not the report: are the bytes the state dict's manifest lists gone?
-            listed = [rec[SD].committed_files[p] for p in changed]
-            gone = await self._in_thread(self._committer.differs, uid.step, listed)
+            gone = await self._changed_state_dict(rec, [rec[SD].committed_files[p] for p in changed])
             if gone:
                 why = (f"unit {uid.label} rewrote {gone[0]} of step {uid.step} with other content, but the step's "
                        "committed state dict lists that file: committed files must not change, so that state "
@@ -208,11 +207,12 @@ class UnitReports:
         await self._revoke_state_dict(rec, self._withdrawn_because(rec, gone, after))
         return True
 
-    async def _changed_state_dict(self, rec: StepRecord) -> list[str]:
-        """The files of the step's committed state dict that storage no longer holds as listed,
-        while its full checkpoint may still come (else nothing is checked). Meanwhile retention
-        keeps the state dict without counting it (``checks``). A read that storage refuses is
-        retried, however long that takes: until the answer, nothing is known of the files."""
+    async def _changed_state_dict(self, rec: StepRecord, entries: list[FileEntry] | None = None) -> list[str]:
+        """The files of the step's committed state dict (or of ``entries``, some of them) that
+        storage no longer holds as listed, while its full checkpoint may still come (else nothing
+        is checked). Meanwhile retention keeps the state dict without counting it (``checks``).
+        A read that storage refuses is retried, however long that takes: until the answer,
+        nothing is known of the files."""
         rec[SD].checks += 1
         try:
             if self._ledger.state_of(rec.step, SD) is StepState.COMMITTING:
@@ -226,7 +226,7 @@ class UnitReports:
                     return []
                 try:
                     return await self._in_thread(self._committer.differs, rec.step,
-                                                 list(rec[SD].committed_files.values()))
+                                                 list(rec[SD].committed_files.values()) if entries is None else entries)
                 except Exception as e:
                     tries += 1
                     delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)

@@ -139,6 +139,11 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail
         # before anything can commit them.
         self._ledger.expire(time.time())
+        for rec in rebuilt.steps:
+            # A full checkpoint failed but not recorded (it timed out while no monitor ran, or a
+            # unit's failure receipt is all there is): nobody hears of it before it is recorded
+            # and its state dict checked, which _resume_step starts (through _after_change).
+            self._pending_failures(rec)
         self._spawn(self._resume(rebuilt.steps))
 
     async def _resume(self, steps: list[StepRecord]) -> None:

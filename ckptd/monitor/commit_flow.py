@@ -57,6 +57,10 @@ class CommitFlow:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
                 await self._record_failure(rec, kind)
 
+    def _failure_unsettled(self, step: int) -> bool:
+        """Whether a failure of ``step`` is known but not reported yet (being recorded or checked)."""
+        return any((step, k) in self._failure_writes for k in Kind)
+
     def _after_change_sync(self, rec: StepRecord) -> bool:
         """Start the commits the step is ready for; True if a new failure is left to record
         (then await :meth:`_record_new_failures`). No await on the common path: it runs for
@@ -66,8 +70,16 @@ class CommitFlow:
             self._ledger.begin_commit(rec, kinds, time.time())
             self._committing[rec.step] = asyncio.Event()
             self._spawn(self._commit(rec, kinds))
-        return ((rec[SD].state is StepState.FAILED and (rec.step, SD) not in self._failures_recorded)
-                or (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded))
+        return self._pending_failures(rec)
+
+    def _pending_failures(self, rec: StepRecord) -> bool:
+        """Whether the step has a failure not recorded yet (then :meth:`_record_new_failures`
+        must run); from now on :meth:`durable` waits for it, even before the task that records
+        it has started."""
+        new = [k for k in Kind if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
+        for kind in new:
+            self._failure_writes.setdefault((rec.step, kind), asyncio.Event())
+        return bool(new)
 
     async def durable(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage (a monitor
@@ -85,7 +97,18 @@ class CommitFlow:
     async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
         key = (rec.step, kind)
         self._failures_recorded.add(key)  # before the await: one record per failure
-        written = self._failure_writes[key] = asyncio.Event()
+        written = self._failure_writes.setdefault(key, asyncio.Event())
+        if kind is CKPT:
+            # Checked below: until then retention keeps the state dict without counting it.
+            rec[SD].checks += 1
+        try:
+            await self._record_and_check(rec, kind, key, written)
+        finally:
+            if kind is CKPT:
+                rec[SD].checks -= 1
+
+    async def _record_and_check(self, rec: StepRecord, kind: Kind, key: tuple[int, Kind],
+                                written: asyncio.Event) -> None:
         reason = rec[kind].reason or "failed"
         tries = 0
         while True:
@@ -213,7 +236,7 @@ class CommitFlow:
         if Kind.CHECKPOINT in kinds:
             # Best-effort: records of a committed step are ignored and removed again at start-up.
             self._io.submit(self._cleanup, rec.step)
-        self._ledger.prune(self._opts.status_history)
+        self._ledger.prune(self._opts.status_history, self._failure_unsettled)
         self._retention.schedule()
 
     async def _retrying(self, request: str, fn, *args) -> Any:
@@ -255,7 +278,7 @@ class CommitFlow:
             return
         for step in failed:
             rec = self._ledger.fence_state_dict(step, newest, time.time()) if step < newest else None
-            if rec is not None:
+            if rec is not None and self._pending_failures(rec):
                 self._spawn(self._record_new_failures(rec))
 
     def _cleanup(self, step: int) -> None:

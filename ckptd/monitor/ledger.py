@@ -21,6 +21,8 @@ These are Trinity-RFT's CheckpointMonitor semantics, made exact:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.manifest import FileEntry
@@ -359,10 +361,13 @@ class StepLedger:
                     out.append(f"step {rec.step} ({kind.value}): {self.describe(rec, kind)}")
         return out
 
-    def prune(self, keep: int) -> None:
-        """Drop the details of all but the newest ``keep`` settled steps."""
+    def prune(self, keep: int, busy: Callable[[int], bool] | None = None) -> None:
+        """Drop the details of all but the newest ``keep`` settled steps. A step whose state dict
+        is being checked or withdrawn, or for which ``busy(step)`` is true (a failure still being
+        recorded), stays: what is done to it must reach the ledger (until a later prune)."""
         done = [r for r in self._records.values()
-                if all(r[k].settled or not r.active(k) for k in Kind) and not r.has_running()]
+                if all(r[k].settled or not r.active(k) for k in Kind) and not r.has_running()
+                and not r[SD].checks and not r[SD].withdrawing and not (busy is not None and busy(r.step))]
         done.sort(key=lambda r: r.step)
         for rec in done[: max(0, len(done) - keep)]:
             del self._records[rec.step]

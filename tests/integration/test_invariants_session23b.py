@@ -288,8 +288,20 @@ def test_i5_late_finished_reports_commit_whole_and_a_restart_keeps_them(env):
         error = wait_all(d)
         assert error is not None and "did not answer" in error
         assert unit_receipt(root, attempt, sd_step, f"w{s}-d")["status"] == "failed"
-    # Resumed, the monitor applies d's "finished" first: the state dict commits, whole.
-    d.wait_committed(sd_step, is_state_dict=True, timeout_s=DEADLINE_S)
+    # Resumed, the monitor applies d's "finished" first, most often: the state dict commits, whole.
+    # Ray may apply the "failed" first (tasks pushed to a stopped process are retried, and a
+    # retry keeps no order): then the step fails, once, and nothing names it.
+    try:
+        d.wait_committed(sd_step, is_state_dict=True, timeout_s=DEADLINE_S)
+    except ckptd.CheckpointSaveError as e:
+        assert "did not answer" in str(e)
+        assert read_manifest(root, sd_step, SD) is None and assert_trackers_verified(root) == {CKPT: s, SD: s}
+        gates["c"].open()
+        gates["e"].open()
+        for coord in coords.values():
+            wait_all(coord)
+            coord.close()
+        return
     assert assert_trackers_verified(root) == {CKPT: s, SD: sd_step}
     sd_manifest = read_manifest(root, sd_step, SD)
     weights = open(f"{ckptd.step_dir(root, sd_step)}/weights.bin", "rb").read()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 
 import pytest
 import ray
@@ -55,3 +56,27 @@ def make_monitor(ray_local, tmp_path, run_name):
     yield make
     for h in handles:
         ray.kill(h, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def shared_monitor(ray_local, tmp_path_factory, request):
+    """One monitor for a module's tests (an actor costs seconds to start on a loaded machine),
+    started with the module's ``SHARED_MONITOR_OPTIONS``; each test saves steps of its own under
+    it (``env``). Killed, and its root removed (pytest keeps its last runs' directories), after."""
+    name = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    base = tmp_path_factory.mktemp(name)
+    root = str(base / "ckpt")
+    monitor = ckptd.start_monitor(root, run=f"{name}-{os.getpid()}",
+                                  **getattr(request.module, "SHARED_MONITOR_OPTIONS", {}))
+    yield root, monitor
+    ray.kill(monitor, no_restart=True)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def env(shared_monitor):
+    """A test's own block of steps on its module's shared monitor (see ``helpers.Env``)."""
+    from .helpers import Env
+
+    return Env.next_block(*shared_monitor)
+

@@ -21,7 +21,8 @@ import torch
 
 import ckptd
 from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
-from ckptd.manifest import Manifest
+from ckptd.manifest import Manifest, changed_files
+from ckptd.storage import Storage
 
 
 @ray.remote(num_cpus=0)
@@ -560,3 +561,93 @@ class Env:
 
     def step_dir(self, step: int) -> str:
         return ckptd.step_dir(self.root, step)
+
+
+# -- state dicts whose files change (the session-23 attacks) ----------------------------------------
+
+
+def write_file(path: str, data: bytes) -> list[str]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return [path]
+
+
+def replace_same_size(path: str) -> None:
+    """Other bytes of the same size: only a checksum tells."""
+    write_file(path, os.urandom(os.path.getsize(path)))
+
+
+def commit_one(coord, step: int, rel: str, is_state_dict: bool, timeout_s: float = 60.0) -> None:
+    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
+    if is_state_dict:
+        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    else:
+        coord.register(step, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(step)}/{rel}"
+    coord.save_async(f"u{step}-{rel}", lambda: write_file(path, os.urandom(4096)), step, is_state_dict=is_state_dict)
+    coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=timeout_s)
+
+
+def tracker_of(root: str, kind: ckptd.Kind) -> int | None:
+    path = os.path.join(root, TRACKERS[kind])
+    return parse_tracker(open(path).read()) if os.path.exists(path) else None
+
+
+def stale_files(root: str, step: int, kind: ckptd.Kind) -> list[str] | None:
+    """The files the manifest of ``kind`` alone lists with other bytes than storage holds; None
+    when the step has no such manifest."""
+    manifest = read_manifest(root, step, kind)
+    if manifest is None:
+        return None
+    return changed_files(Storage(root), os.path.basename(ckptd.step_dir(root, step)), manifest.files)
+
+
+def ledger_states(monitor, step: int) -> dict[str, str] | None:
+    """The monitor's ledger state of each kind of ``step``."""
+
+    def probe(self, step=step):
+        rec = self._ledger.get(step)
+        return None if rec is None else {k.value: rec[k].state.value for k in rec.kinds}
+
+    return ray.get(monitor.__ray_call__.remote(probe))
+
+
+def fail_full_checkpoint(coord, step: int) -> None:
+    """Register the full checkpoint of ``step`` with one checkpoint unit, which fails."""
+    coord.register(step, checkpoint_thread_count=1)
+    coord.save_async("optim", disk_full, step)
+
+
+def revoke_loops(monitor, step: int) -> list[int]:
+    """The withdrawals of ``step``'s state dict in flight in the monitor: how often each has failed."""
+    def loops(self):
+        import gc
+        import inspect as _inspect
+        out = []
+        for o in gc.get_objects():
+            if (_inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name == "_revoke_state_dict"
+                    and o.cr_frame.f_locals.get("rec") is not None and o.cr_frame.f_locals["rec"].step == step):
+                out.append(o.cr_frame.f_locals.get("tries", 0))
+        return sorted(out)
+    return ray.get(monitor.__ray_call__.remote(loops))
+
+
+MONITOR_WORK = ("_resume", "_resume_step", "withdraw_if_changed", "_changed_state_dict", "_revoke_state_dict",
+                "_commit", "_record_failure")
+
+
+def busy_coroutines(monitor) -> list[str]:
+    """The start-up, withdrawal, commit and failure-record coroutines alive in the monitor."""
+    def busy(self, names=MONITOR_WORK):
+        import gc
+        import inspect as _inspect
+        return sorted(o.cr_code.co_name for o in gc.get_objects()
+                      if _inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name in names)
+    return ray.get(monitor.__ray_call__.remote(busy))
+
+
+def what_the_trainer_finds(root: str) -> dict:
+    """The state-dict tracker, and the files its step's manifest lists with other bytes than storage holds."""
+    step = tracker_of(root, ckptd.Kind.STATE_DICT)
+    return {"tracker": step, "stale": stale_files(root, step, ckptd.Kind.STATE_DICT) if step is not None else None}

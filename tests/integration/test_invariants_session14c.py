@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 import ckptd
 from ckptd import failpoints
 
-from .helpers import Env, wait_for
+from .helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -52,20 +52,7 @@ def _disarmed():
     failpoints.disarm()
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One monitor for the module (an actor costs seconds to start on a loaded machine); each
-    test saves steps of its own under it, so no two tests share a step."""
-    root = str(tmp_path_factory.mktemp("inv14c") / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv14c-{os.getpid()}", max_ckpt_to_keep=None)
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_ckpt_to_keep": None}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -62,14 +62,12 @@ import os
 import pickle
 import re
 import resource
-import shutil
 import signal
 import zlib
 from typing import Any
 
 import numpy as np
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -94,22 +92,7 @@ def _disarmed():
     failpoints.disarm()
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One monitor for the module, writing large files with O_DIRECT; each test saves steps of its
-    own under it. The root is removed afterwards (pytest keeps its last runs' directories)."""
-    base = tmp_path_factory.mktemp("inv21")
-    root = str(base / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv21-{os.getpid()}", max_ckpt_to_keep=None, direct_io="on")
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_ckpt_to_keep": None, "direct_io": "on"}  # large files with O_DIRECT
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -94,10 +94,12 @@ from .helpers import (
     arm_in_monitor,
     assert_same_state,
     assert_trackers_verified,
+    busy_coroutines,
     end_unheard,
     failpoint_env,
     read_manifest,
     restart_monitor,
+    revoke_loops,
     start_new_job,
     unit_receipt,
     wait_all,
@@ -146,34 +148,6 @@ def _setup(coord, root: str, register_checkpoint: bool = True) -> None:
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 3}
     if register_checkpoint:
         coord.register(3, checkpoint_thread_count=1)
-
-
-def _revoke_loops(monitor, step: int) -> list[int]:
-    """The withdrawals of ``step``'s state dict in flight in the monitor: how often each has failed."""
-    def loops(self):
-        import gc
-        import inspect as _inspect
-        out = []
-        for o in gc.get_objects():
-            if (_inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name == "_revoke_state_dict"
-                    and o.cr_frame.f_locals.get("rec") is not None and o.cr_frame.f_locals["rec"].step == step):
-                out.append(o.cr_frame.f_locals.get("tries", 0))
-        return sorted(out)
-    return ray.get(monitor.__ray_call__.remote(loops))
-
-
-_WORK = ("_resume", "_resume_step", "withdraw_if_changed", "_changed_state_dict", "_revoke_state_dict", "_commit",
-         "_record_failure")
-
-
-def _busy(monitor) -> list[str]:
-    """The start-up, withdrawal, commit and failure-record coroutines alive in the monitor."""
-    def busy(self, names=_WORK):
-        import gc
-        import inspect as _inspect
-        return sorted(o.cr_code.co_name for o in gc.get_objects()
-                      if _inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name in names)
-    return ray.get(monitor.__ray_call__.remote(busy))
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -232,11 +206,11 @@ def test_i4_commits_while_a_withdrawal_is_retried(make_monitor, tmp_path, run_na
     try:
         ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports"))
         if meanwhile == "delayed":
-            wait_for(lambda: _revoke_loops(monitor, 3) == [0], what="the withdrawal to start")
+            wait_for(lambda: revoke_loops(monitor, 3) == [0], what="the withdrawal to start")
             arm_in_monitor(monitor, "before_revoke", None)
             _commit(coord, 4, is_state_dict=True)  # its tracker move waits for the withdrawal
         else:
-            wait_for(lambda: min(_revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
+            wait_for(lambda: min(revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
             if meanwhile == "older":
                 _commit(coord, 1, is_state_dict=True)
                 assert (_tracker(root, CKPT), _tracker(root, SD)) == (2, 3)  # not moved back to 1
@@ -245,7 +219,7 @@ def test_i4_commits_while_a_withdrawal_is_retried(make_monitor, tmp_path, run_na
                 assert assert_trackers_verified(root) == {CKPT: 2, SD: 4}
                 _commit(coord, 5, is_state_dict=False)
                 assert assert_trackers_verified(root) == {CKPT: 5, SD: 5}
-            assert read_manifest(root, 3, SD) is not None and _revoke_loops(monitor, 3)  # still retrying
+            assert read_manifest(root, 3, SD) is not None and revoke_loops(monitor, 3)  # still retrying
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
     err = ray.get(rw.wait_all.remote())
@@ -279,15 +253,15 @@ def test_i2_two_units_and_a_duplicate_report_during_a_retried_withdrawal(make_mo
     rw1, rw2 = _Rewriter.remote(run_name, "w1"), _Rewriter.remote(run_name, "w2")
     try:
         ray.get(rw1.rewrite.remote(3, "optim.safetensors", "reports"))
-        wait_for(lambda: _revoke_loops(monitor, 3), what="the first withdrawal")
+        wait_for(lambda: revoke_loops(monitor, 3), what="the first withdrawal")
         ray.get(rw2.rewrite.remote(3, "optim.state.json", "fails"))
-        wait_for(lambda: len(_revoke_loops(monitor, 3)) == 2, what="the second withdrawal")
+        wait_for(lambda: len(revoke_loops(monitor, 3)) == 2, what="the second withdrawal")
         # The first unit's report again, as a relay's fallback sends it straight to the monitor.
         body = unit_receipt(root, ray.get(monitor.ping.remote())["attempt"], 3, "w1")
         assert body is not None and body["status"] == "finished"
         dup = monitor.notify_batch.remote([("finished", body["unit"], {"files": body["files"],
                                                                         "found": body["found"]})])
-        wait_for(lambda: len(_revoke_loops(monitor, 3)) == 3, what="the duplicate's withdrawal")
+        wait_for(lambda: len(revoke_loops(monitor, 3)) == 3, what="the duplicate's withdrawal")
         assert read_manifest(root, 3, SD) is not None
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
@@ -318,7 +292,7 @@ def _retried_withdrawal(make_monitor, root: str, run_name: str):
     arm_in_monitor(monitor, "before_revoke", "raise")
     rw = _Rewriter.remote(run_name, "w1")
     ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports"))
-    wait_for(lambda: min(_revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
+    wait_for(lambda: min(revoke_loops(monitor, 3), default=0) >= 1, what="the withdrawal to be retried")
     return monitor, coord, rw
 
 
@@ -329,7 +303,7 @@ def test_a_fenced_monitor_gives_up_its_retried_withdrawal_and_publishes_nothing(
     root = str(tmp_path / "ckpt")
     monitor, coord, rw = _retried_withdrawal(make_monitor, root, run_name)
     open_attempt(Storage(root), f"{run_name}-elsewhere", None)
-    wait_for(lambda: not _revoke_loops(monitor, 3), timeout_s=DEADLINE_S, what="the withdrawal to give up")
+    wait_for(lambda: not revoke_loops(monitor, 3), timeout_s=DEADLINE_S, what="the withdrawal to give up")
     assert "superseded" in ray.get(monitor.__ray_call__.remote(lambda self: self._fenced))
     assert ray.get(rw.wait_all.remote()) is not None
     assert read_manifest(root, 3, SD) is not None  # left to the newer job's monitor
@@ -343,7 +317,7 @@ def test_a_fenced_monitor_gives_up_its_retried_withdrawal_and_publishes_nothing(
 def _withdrawn(monitor, root: str, step: int) -> bool:
     """The state dict of ``step`` is withdrawn and the monitor is done with it (the manifest goes
     before the tracker is pointed back: wait for both)."""
-    return read_manifest(root, step, SD) is None and not _busy(monitor)
+    return read_manifest(root, step, SD) is None and not busy_coroutines(monitor)
 
 
 @pytest.mark.parametrize("how, rel", [("reports", "optim.safetensors"), ("fails", "optim.safetensors"),
@@ -516,7 +490,7 @@ def test_i2_a_committed_state_dict_file_replaced_without_a_report_is_withdrawn(m
     assert ray.get(rw.wait_all.remote()) is None
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_committed(3, timeout_s=DEADLINE_S)
-    wait_for(lambda: not _busy(monitor), what="the monitor to settle step 3")
+    wait_for(lambda: not busy_coroutines(monitor), what="the monitor to settle step 3")
     assert read_manifest(root, 3, CKPT) is None
     assert read_manifest(root, 3, SD) is None, "the state dict still lists the replaced optim.safetensors"
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
@@ -531,7 +505,7 @@ def test_i1_a_new_job_on_the_root_during_a_retried_withdrawal(make_monitor, tmp_
     coord.close()
     monitor2 = start_new_job(make_monitor, root, monitor)
     assert ray.get(rw.wait_all.remote()) is not None  # its report went to job 1's monitor, now gone
-    wait_for(lambda: not _busy(monitor2), what="the new monitor's start-up")
+    wait_for(lambda: not busy_coroutines(monitor2), what="the new monitor's start-up")
     assert read_manifest(root, 3, SD) is None, "the state dict still lists the replaced optim.safetensors"
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
 
@@ -549,7 +523,7 @@ def test_i2_a_restart_withdraws_for_a_finished_unit_it_never_heard_of(make_monit
     gate = str(tmp_path / "gate")
     ray.get(rw.rewrite.remote(3, "optim.safetensors", "reports", gate))
     end_unheard(monitor, root, 3, "w1", gate, rw, "finished", method="pid", timeout_s=DEADLINE_S)
-    wait_for(lambda: not _busy(monitor), what="the restarted monitor's start-up")
+    wait_for(lambda: not busy_coroutines(monitor), what="the restarted monitor's start-up")
     assert read_manifest(root, 3, SD) is None, "the state dict still lists the replaced optim.safetensors"
     assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
     coord.close()

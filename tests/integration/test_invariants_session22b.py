@@ -72,6 +72,7 @@ from ckptd.storage import Storage
 
 from .helpers import (
     assert_trackers_verified,
+    busy_coroutines,
     end_unheard,
     ledger_records,
     read_manifest,
@@ -79,7 +80,6 @@ from .helpers import (
     wait_all,
     wait_for,
 )
-from .test_invariants_session22 import _busy
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -185,7 +185,7 @@ def test_i2_a_new_job_keeps_an_intact_state_dict_of_a_touched_step(make_monitor,
     before = _files(d3)
 
     monitor2 = start_new_job(make_monitor, root, monitor, max_state_dict_to_keep=None, **opts)
-    wait_for(lambda: not _busy(monitor2), what="job 2's monitor's start-up")
+    wait_for(lambda: not busy_coroutines(monitor2), what="job 2's monitor's start-up")
     after = _files(d3)
     assert "ckpt.partial" not in after  # what job 1 left uncommitted goes ...
     for rel in (*sd_files, MANIFESTS[SD]):  # ... the committed state dict stays, byte for byte
@@ -265,7 +265,7 @@ def test_i4_a_wrong_report_of_an_intact_committed_file_keeps_the_state_dict(make
         gate = str(tmp_path / "gate")
         ray.get(liar.lie.remote(3, "weights.bin", gate))
         end_unheard(monitor, root, 3, "w1", gate, liar, "finished", method="wait_all", timeout_s=DEADLINE_S)
-    wait_for(lambda: not _busy(monitor), what="the monitor to settle step 3")
+    wait_for(lambda: not busy_coroutines(monitor), what="the monitor to settle step 3")
     # I4: the intact state dict is not withdrawn.
     assert read_manifest(root, 3, SD) == sd_manifest
     # I1: whatever step 3's checkpoint did, no tracker names a manifest that does not verify.
@@ -308,7 +308,7 @@ def test_i1_a_new_job_withdraws_the_only_state_dict_and_removes_its_tracker(make
     wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=DEADLINE_S, what="the held unit")
     assert _kind_verifies(root, 1, SD, epoch_layout=False) == ["weights.bin"]
     monitor2 = start_new_job(make_monitor, root, monitor)
-    wait_for(lambda: not _busy(monitor2), what="job 2's monitor's start-up")
+    wait_for(lambda: not busy_coroutines(monitor2), what="job 2's monitor's start-up")
     assert read_manifest(root, 1, SD) is None
     assert not os.path.exists(d1)
     assert _trackers(root) == {CKPT: None, SD: None}

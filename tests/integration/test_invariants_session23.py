@@ -71,28 +71,32 @@ withdrawn, and only then lets retention run (``RetentionRunner.release``); (4)
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 import ray
 
 import ckptd
-from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
-from ckptd.manifest import changed_files
-from ckptd.storage import Storage
+from ckptd.layout import MANIFESTS
 
 from .helpers import (
     Env,
     actor_gone,
     arm_in_monitor,
+    busy_coroutines,
+    commit_one,
     failpoint_env,
+    ledger_states,
     read_manifest,
+    replace_same_size,
     restart_monitor,
+    revoke_loops,
+    stale_files,
+    tracker_of,
     wait_all,
     wait_for,
+    write_file,
 )
-from .test_invariants_session22 import _busy, _revoke_loops
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -100,62 +104,10 @@ DEADLINE_S = 60.0  # far beyond what any wait here needs: reaching it means a ha
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One monitor for the module; each test saves steps of its own under it. No retention by
-    count, so no test's steps go while another test runs."""
-    base = tmp_path_factory.mktemp("inv23")
-    root = str(base / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv23-{os.getpid()}", max_state_dict_to_keep=None)
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _write(path: str, data: bytes) -> list[str]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-    return [path]
-
-
-def _replace(path: str) -> None:
-    """Other bytes of the same size: only a checksum tells."""
-    _write(path, os.urandom(os.path.getsize(path)))
-
-
-def _commit(coord, step: int, rel: str, is_state_dict: bool) -> None:
-    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
-    if is_state_dict:
-        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
-    else:
-        coord.register(step, checkpoint_thread_count=1)
-    path = f"{coord.step_dir(step)}/{rel}"
-    coord.save_async(f"u{step}-{rel}", lambda: _write(path, os.urandom(4096)), step, is_state_dict=is_state_dict)
-    coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=DEADLINE_S)
-
-
-def _tracker(root: str, kind: ckptd.Kind) -> int | None:
-    path = os.path.join(root, TRACKERS[kind])
-    return parse_tracker(open(path).read()) if os.path.exists(path) else None
-
-
-def _stale(root: str, step: int, kind: ckptd.Kind) -> list[str] | None:
-    """The files the manifest of ``kind`` alone lists with other bytes than storage holds; None
-    when the step has no such manifest."""
-    manifest = read_manifest(root, step, kind)
-    if manifest is None:
-        return None
-    return changed_files(Storage(root), os.path.basename(ckptd.step_dir(root, step)), manifest.files)
 
 
 def _assert_trackers_verify(root: str) -> dict[ckptd.Kind, int | None]:
@@ -163,28 +115,18 @@ def _assert_trackers_verify(root: str) -> dict[ckptd.Kind, int | None]:
     state dict), and each of that step's manifests verifies on its own against storage."""
     named = {}
     for kind in (CKPT, SD):
-        step = named[kind] = _tracker(root, kind)
+        step = named[kind] = tracker_of(root, kind)
         if step is None:
             continue
         present = [k for k in ([CKPT] if kind is CKPT else [SD, CKPT]) if read_manifest(root, step, k) is not None]
         assert present, f"the {kind.value} tracker names step {step}, which has no {kind.value} manifest"
         for k in present:
-            stale = _stale(root, step, k)
+            stale = stale_files(root, step, k)
             assert stale == [], (
                 f"the {kind.value} tracker names step {step}, whose {k.value} manifest lists "
                 f"{stale} with other bytes than storage holds"
             )
     return named
-
-
-def _states(monitor, step: int) -> dict[str, str] | None:
-    """The monitor's ledger state of each kind of ``step``."""
-
-    def probe(self, step=step):
-        rec = self._ledger.get(step)
-        return None if rec is None else {k.value: rec[k].state.value for k in rec.kinds}
-
-    return ray.get(monitor.__ray_call__.remote(probe))
 
 
 # -- 1. I1: a file of the state dict being committed, replaced by a unit that then fails -----------
@@ -196,7 +138,7 @@ def test_i1_a_unit_that_replaces_a_file_of_the_state_dict_being_committed_then_f
     unit then replaces weights.bin and fails, and the monitor hears of it while still committing."""
     s, root, monitor = env.s, env.root, env.monitor
     coord = env.coord()
-    _commit(coord, s + 1, "model.bin", is_state_dict=False)
+    commit_one(coord, s + 1, "model.bin", is_state_dict=False)
     d = env.step_dir(s + 2)
     coord.register(s + 2, is_state_dict=True, state_dict_thread_count=1)
     coord.register(s + 2, checkpoint_thread_count=1)
@@ -205,20 +147,20 @@ def test_i1_a_unit_that_replaces_a_file_of_the_state_dict_being_committed_then_f
     def replace_then_fail():
         admitted.set()
         assert go.wait(DEADLINE_S)
-        _replace(f"{d}/weights.bin")
+        replace_same_size(f"{d}/weights.bin")
         raise OSError("disk full after replacing weights.bin")
 
     coord.save_async("optim", replace_then_fail, s + 2)
     assert admitted.wait(DEADLINE_S)
     arm_in_monitor(monitor, "before_tracker_rename", "delay:2")
     try:
-        coord.save_async("weights", lambda: _write(f"{d}/weights.bin", os.urandom(4096)), s + 2, is_state_dict=True)
+        coord.save_async("weights", lambda: write_file(f"{d}/weights.bin", os.urandom(4096)), s + 2, is_state_dict=True)
         wait_for(
             lambda: read_manifest(root, s + 2, SD) is not None, timeout_s=DEADLINE_S, what="the state dict's manifest"
         )
         go.set()
         during = wait_for(
-            lambda: (st := _states(monitor, s + 2))["checkpoint"] == "failed" and st,
+            lambda: (st := ledger_states(monitor, s + 2))["checkpoint"] == "failed" and st,
             timeout_s=DEADLINE_S,
             what="the monitor to hear of the unit's failure",
         )
@@ -226,8 +168,8 @@ def test_i1_a_unit_that_replaces_a_file_of_the_state_dict_being_committed_then_f
         arm_in_monitor(monitor, "before_tracker_rename", None)
     assert during["state_dict"] == "committing", during  # the failure came inside the commit
     assert wait_all(coord) is not None
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
-    assert _stale(root, s + 2, SD) in (None, []), "the state dict of S+2 lists the replaced weights.bin"
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
+    assert stale_files(root, s + 2, SD) in (None, []), "the state dict of S+2 lists the replaced weights.bin"
     assert _assert_trackers_verify(root) == {CKPT: s + 1, SD: s + 1}
     coord.close()
 
@@ -247,10 +189,10 @@ def test_i1_a_full_checkpoint_that_fails_without_a_failed_unit_withdraws_a_chang
         env = Env(root, make_monitor(root, step_timeout_s=3), 0)
     s, root, monitor = env.s, env.root, env.monitor
     coord = env.coord()
-    _commit(coord, s + 1, "model.bin", is_state_dict=False)
-    _commit(coord, s + 2, "weights.bin", is_state_dict=True)
+    commit_one(coord, s + 1, "model.bin", is_state_dict=False)
+    commit_one(coord, s + 2, "weights.bin", is_state_dict=True)
     d = env.step_dir(s + 2)
-    _replace(f"{d}/weights.bin")  # another rank's plain torch.save, outside any unit
+    replace_same_size(f"{d}/weights.bin")  # another rank's plain torch.save, outside any unit
     if how == "commit-check":
         # The one checkpoint unit links a file of step S+1: the commit check refuses the link
         # before it looks at the committed files.
@@ -262,11 +204,11 @@ def test_i1_a_full_checkpoint_that_fails_without_a_failed_unit_withdraws_a_chang
         coord.save_async("link", link, s + 2)
     else:  # one of two registered checkpoint units finishes; the other never comes
         coord.register(s + 2, checkpoint_thread_count=2)
-        coord.save_async("optim", lambda: _write(f"{d}/optim.bin", os.urandom(100)), s + 2)
+        coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(100)), s + 2)
     with pytest.raises(ckptd.CheckpointSaveError, match="symbolic link" if how == "commit-check" else "timed out"):
         coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
-    assert _stale(root, s + 2, SD) in (None, []), "the state dict of S+2 lists the replaced weights.bin"
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
+    assert stale_files(root, s + 2, SD) in (None, []), "the state dict of S+2 lists the replaced weights.bin"
     assert _assert_trackers_verify(root) == {CKPT: s + 1, SD: s + 1}
     coord.close()
 
@@ -287,36 +229,36 @@ def test_i2_a_restart_during_a_withdrawal_keeps_the_state_dict_retention_must_ke
     (once / "before_manifest").touch()  # spent already: the first process never waits there
     monitor = make_monitor(root, runtime_env=failpoint_env("before_manifest=delay:2", once))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _commit(coord, 2, "model.bin", is_state_dict=False)
-    _commit(coord, 3, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
     coord.register(3, checkpoint_thread_count=1)
     d3 = ckptd.step_dir(root, 3)
     arm_in_monitor(monitor, "before_revoke", "raise")
 
     def outside_write_and_optim():
-        _replace(f"{d3}/weights.bin")  # as another rank's plain torch.save would
-        return _write(f"{d3}/optim.bin", os.urandom(100))
+        replace_same_size(f"{d3}/weights.bin")  # as another rank's plain torch.save would
+        return write_file(f"{d3}/optim.bin", os.urandom(100))
 
     coord.save_async("optim", outside_write_and_optim, 3)
     wait_for(
-        lambda: min(_revoke_loops(monitor, 3), default=0) >= 1,
+        lambda: min(revoke_loops(monitor, 3), default=0) >= 1,
         timeout_s=DEADLINE_S,
         what="the withdrawal to be retried",
     )
-    _commit(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
-    assert _stale(root, 1, SD) == []  # kept live: step 3 is not counted while it is withdrawn
+    assert stale_files(root, 1, SD) == []  # kept live: step 3 is not counted while it is withdrawn
     os.remove(once / "before_manifest")
     restart_monitor(monitor, how="sigkill")
     wait_for(
-        lambda: read_manifest(root, 3, SD) is None and not _busy(monitor),
+        lambda: read_manifest(root, 3, SD) is None and not busy_coroutines(monitor),
         timeout_s=DEADLINE_S,
         what="the restarted monitor to withdraw step 3",
     )
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     assert _assert_trackers_verify(root) == {CKPT: 2, SD: 2}
     # I2: steps 1 and 2 are the newest 2 valid state dicts: step 1 must still be there.
-    assert _stale(root, 1, SD) == [], "retention deleted step 1, counting the stale step 3 in its place"
+    assert stale_files(root, 1, SD) == [], "retention deleted step 1, counting the stale step 3 in its place"
     coord.close()
 
 
@@ -330,8 +272,8 @@ def test_i1_a_new_job_points_the_checkpoint_tracker_at_no_uncommitted_step(make_
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _commit(coord, 1, "weights.bin", is_state_dict=True)
-    _commit(coord, 2, "model.bin", is_state_dict=False)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
     coord.close()
     ray.kill(monitor, no_restart=True)
     wait_for(lambda: actor_gone(monitor), timeout_s=DEADLINE_S, what="job 1's monitor to be gone")
@@ -340,6 +282,6 @@ def test_i1_a_new_job_points_the_checkpoint_tracker_at_no_uncommitted_step(make_
         if os.path.exists(path):
             os.remove(path)
     monitor2 = make_monitor(root)
-    wait_for(lambda: not _busy(monitor2), timeout_s=DEADLINE_S, what="job 2's monitor's start-up")
-    assert _tracker(root, SD) == 1  # repaired
+    wait_for(lambda: not busy_coroutines(monitor2), timeout_s=DEADLINE_S, what="job 2's monitor's start-up")
+    assert tracker_of(root, SD) == 1  # repaired
     assert _assert_trackers_verify(root) == {CKPT: None, SD: 1}

@@ -69,7 +69,6 @@ registrations queued behind one that went unanswered share one more timeout (``R
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -81,7 +80,6 @@ import ray
 import ckptd
 
 from .helpers import (
-    Env,
     Gate,
     assert_trackers_verified,
     in_thread,
@@ -103,21 +101,7 @@ BOUND_S = 4 * S + 2
 DEADLINE_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One plain monitor for the module's tests that need no option; each saves its own steps."""
-    base = tmp_path_factory.mktemp("inv23b")
-    root = str(base / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv23b-{os.getpid()}", max_ckpt_to_keep=None)
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_ckpt_to_keep": None}
 
 
 @contextmanager

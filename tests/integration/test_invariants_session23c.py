@@ -79,19 +79,28 @@ is kept but not counted by retention (``checks``, in ``ledger.withdrawing_steps`
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 import ray
 
 import ckptd
-from ckptd.layout import TRACKERS, parse_tracker
-from ckptd.manifest import changed_files
-from ckptd.storage import Storage
 
-from .helpers import Env, arm_in_monitor, disk_full, read_manifest, wait_all, wait_for
-from .test_invariants_session22 import _busy, _revoke_loops
+from .helpers import (
+    arm_in_monitor,
+    busy_coroutines,
+    commit_one,
+    fail_full_checkpoint,
+    ledger_states,
+    read_manifest,
+    replace_same_size,
+    revoke_loops,
+    stale_files,
+    tracker_of,
+    wait_all,
+    wait_for,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -99,78 +108,10 @@ DEADLINE_S = 60.0  # far beyond what any wait here needs: reaching it means a ha
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One monitor for the module; each test saves steps of its own under it. No retention by
-    count, so no test's steps go while another test runs."""
-    base = tmp_path_factory.mktemp("inv23c")
-    root = str(base / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv23c-{os.getpid()}", max_state_dict_to_keep=None)
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _write(path: str, data: bytes) -> list[str]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-    return [path]
-
-
-def _replace(path: str) -> None:
-    """Other bytes of the same size: only a checksum tells."""
-    _write(path, os.urandom(os.path.getsize(path)))
-
-
-def _commit(coord, step: int, rel: str, is_state_dict: bool) -> None:
-    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
-    if is_state_dict:
-        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
-    else:
-        coord.register(step, checkpoint_thread_count=1)
-    path = f"{coord.step_dir(step)}/{rel}"
-    coord.save_async(f"u{step}-{rel}", lambda: _write(path, os.urandom(4096)), step, is_state_dict=is_state_dict)
-    coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=DEADLINE_S)
-
-
-def _tracker(root: str, kind: ckptd.Kind) -> int | None:
-    path = os.path.join(root, TRACKERS[kind])
-    return parse_tracker(open(path).read()) if os.path.exists(path) else None
-
-
-def _stale(root: str, step: int, kind: ckptd.Kind) -> list[str] | None:
-    """The files the manifest of ``kind`` alone lists with other bytes than storage holds; None
-    when the step has no such manifest."""
-    manifest = read_manifest(root, step, kind)
-    if manifest is None:
-        return None
-    return changed_files(Storage(root), os.path.basename(ckptd.step_dir(root, step)), manifest.files)
-
-
-def _fail_full_checkpoint(coord, step: int) -> None:
-    """Register the full checkpoint of ``step`` with one checkpoint unit, which fails."""
-    coord.register(step, checkpoint_thread_count=1)
-    coord.save_async("optim", disk_full, step)
-
-
-def _states(monitor, step: int) -> dict[str, str] | None:
-    """The monitor's ledger state of each kind of ``step``."""
-
-    def probe(self, step=step):
-        rec = self._ledger.get(step)
-        return None if rec is None else {k.value: rec[k].state.value for k in rec.kinds}
-
-    return ray.get(monitor.__ray_call__.remote(probe))
 
 
 # -- 1. I5: a waiter hears of the failed full checkpoint before the state dict was checked ---------
@@ -183,9 +124,9 @@ def test_i5_a_waiter_hears_of_a_failed_full_checkpoint_only_after_its_state_dict
     told the step failed, reads the state-dict tracker."""
     s, root, monitor = env.s, env.root, env.monitor
     coord = env.coord()
-    _commit(coord, s + 1, "model.bin", is_state_dict=False)
-    _commit(coord, s + 2, "weights.bin", is_state_dict=True)
-    _replace(f"{env.step_dir(s + 2)}/weights.bin")  # another rank's plain torch.save
+    commit_one(coord, s + 1, "model.bin", is_state_dict=False)
+    commit_one(coord, s + 2, "weights.bin", is_state_dict=True)
+    replace_same_size(f"{env.step_dir(s + 2)}/weights.bin")  # another rank's plain torch.save
     heard: dict = {}
     told = threading.Event()
 
@@ -194,23 +135,23 @@ def test_i5_a_waiter_hears_of_a_failed_full_checkpoint_only_after_its_state_dict
             coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
         except ckptd.CheckpointSaveError:
             # What the trainer finds when it is told: the state-dict tracker, and that step's files.
-            step = _tracker(root, SD)
-            heard.update(tracker=step, stale=_stale(root, step, SD) if step is not None else None)
+            step = tracker_of(root, SD)
+            heard.update(tracker=step, stale=stale_files(root, step, SD) if step is not None else None)
         told.set()
 
     arm_in_monitor(monitor, "before_revoke", "delay:3")
     try:
-        _fail_full_checkpoint(coord, s + 2)
-        wait_for(lambda: _revoke_loops(monitor, s + 2), timeout_s=DEADLINE_S, what="the withdrawal of S+2")
+        fail_full_checkpoint(coord, s + 2)
+        wait_for(lambda: revoke_loops(monitor, s + 2), timeout_s=DEADLINE_S, what="the withdrawal of S+2")
         waiter = threading.Thread(target=trainer, daemon=True)
         waiter.start()  # while the withdrawal is held
         assert told.wait(DEADLINE_S)
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
     assert wait_all(coord) is not None
     coord.close()
-    assert read_manifest(root, s + 2, SD) is None and _tracker(root, SD) == s + 1  # withdrawn in the end
+    assert read_manifest(root, s + 2, SD) is None and tracker_of(root, SD) == s + 1  # withdrawn in the end
     assert heard, "wait_committed did not report the failed full checkpoint"
     # I5/I1: when the trainer hears of the failure, the state-dict tracker names a valid step.
     assert heard["stale"] in (None, []), (
@@ -232,8 +173,8 @@ def test_i2_a_state_dict_awaiting_its_check_is_not_counted_by_retention(make_mon
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _commit(coord, 1, "weights.bin", is_state_dict=True)
-    _commit(coord, 2, "weights.bin", is_state_dict=True)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
 
     d3 = ckptd.step_dir(root, 3)
     coord.register(3, is_state_dict=True, state_dict_thread_count=1)
@@ -243,7 +184,7 @@ def test_i2_a_state_dict_awaiting_its_check_is_not_counted_by_retention(make_mon
     def replace_then_fail():
         admitted.set()
         assert go.wait(DEADLINE_S)
-        _replace(f"{d3}/weights.bin")
+        replace_same_size(f"{d3}/weights.bin")
         raise OSError("disk full after replacing weights.bin")
 
     coord.save_async("optim", replace_then_fail, 3)
@@ -253,24 +194,24 @@ def test_i2_a_state_dict_awaiting_its_check_is_not_counted_by_retention(make_mon
     arm_in_monitor(monitor, "before_revoke", "delay:1")
     arm_in_monitor(monitor, "before_tracker_rename", "delay:2.5")
     try:
-        coord.save_async("weights", lambda: _write(f"{d3}/weights.bin", os.urandom(4096)), 3, is_state_dict=True)
+        coord.save_async("weights", lambda: write_file(f"{d3}/weights.bin", os.urandom(4096)), 3, is_state_dict=True)
         wait_for(lambda: read_manifest(root, 3, SD) is not None, timeout_s=DEADLINE_S, what="step 3's manifest")
         go.set()
-        during = wait_for(lambda: (st := _states(monitor, 3))["checkpoint"] == "failed" and st,
+        during = wait_for(lambda: (st := ledger_states(monitor, 3))["checkpoint"] == "failed" and st,
                           timeout_s=DEADLINE_S, what="the monitor to hear of the unit's failure")
     finally:
         arm_in_monitor(monitor, "before_tracker_rename", None)
     assert during["state_dict"] == "committing", during  # the failure came inside the commit
     assert wait_all(coord) is not None
     try:
-        wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step 3")
+        wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step 3")
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     coord.close()
-    assert read_manifest(root, 3, SD) is None and _tracker(root, SD) == 2  # withdrawn in the end
+    assert read_manifest(root, 3, SD) is None and tracker_of(root, SD) == 2  # withdrawn in the end
     # I2: steps 2 and 1 are the newest 2 valid state dicts: step 1 must still be there.
-    assert _stale(root, 1, SD) == [], "retention deleted step 1, counting step 3 (awaiting its check) in its place"
+    assert stale_files(root, 1, SD) == [], "retention deleted step 1, counting step 3 (awaiting its check) in its place"
 
 
 # -- 3. I1: a check that raises is dropped, and nothing looks again --------------------------------
@@ -282,18 +223,18 @@ def test_i1_a_listed_file_that_is_no_longer_a_file_withdraws_the_state_dict(env)
     checkpoint unit fails)."""
     s, root, monitor = env.s, env.root, env.monitor
     coord = env.coord()
-    _commit(coord, s + 1, "model.bin", is_state_dict=False)
-    _commit(coord, s + 2, "weights.bin", is_state_dict=True)
+    commit_one(coord, s + 1, "model.bin", is_state_dict=False)
+    commit_one(coord, s + 2, "weights.bin", is_state_dict=True)
     weights = f"{env.step_dir(s + 2)}/weights.bin"
     os.remove(weights)
-    _write(f"{weights}/shard-0.bin", os.urandom(4096))
-    _fail_full_checkpoint(coord, s + 2)
+    write_file(f"{weights}/shard-0.bin", os.urandom(4096))
+    fail_full_checkpoint(coord, s + 2)
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_committed(s + 2, timeout_s=DEADLINE_S)
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
     assert wait_all(coord) is not None
     coord.close()
-    step = _tracker(root, SD)
+    step = tracker_of(root, SD)
     try:
         ckptd.verify(root, step)
     except (ckptd.CheckpointError, OSError) as e:

@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -95,12 +94,24 @@ import pytest
 import ray
 
 import ckptd
-from ckptd.layout import TRACKERS, parse_tracker
-from ckptd.manifest import changed_files
-from ckptd.storage import Storage
+from ckptd.layout import TRACKERS
 
-from .helpers import Env, arm_in_monitor, disk_full, failpoint_env, read_manifest, wait_all, wait_for
-from .test_invariants_session22 import _busy, _revoke_loops
+from .helpers import (
+    arm_in_monitor,
+    busy_coroutines,
+    commit_one,
+    fail_full_checkpoint,
+    failpoint_env,
+    read_manifest,
+    replace_same_size,
+    revoke_loops,
+    stale_files,
+    tracker_of,
+    wait_all,
+    wait_for,
+    what_the_trainer_finds,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -108,73 +119,10 @@ DEADLINE_S = 60.0  # far beyond what any wait here needs: reaching it means a ha
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
-@pytest.fixture(scope="module")
-def _shared_monitor(ray_local, tmp_path_factory):
-    """One monitor for the module; each test saves steps of its own under it. No retention by
-    count, so no test's steps go while another test runs."""
-    base = tmp_path_factory.mktemp("inv23d")
-    root = str(base / "ckpt")
-    monitor = ckptd.start_monitor(root, run=f"inv23d-{os.getpid()}", max_state_dict_to_keep=None)
-    yield root, monitor
-    ray.kill(monitor, no_restart=True)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def env(_shared_monitor) -> Env:
-    root, monitor = _shared_monitor
-    return Env.next_block(root, monitor)
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _write(path: str, data: bytes) -> list[str]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-    return [path]
-
-
-def _replace(path: str) -> None:
-    """Other bytes of the same size: only a checksum tells."""
-    _write(path, os.urandom(os.path.getsize(path)))
-
-
-def _commit(coord, step: int, rel: str, is_state_dict: bool) -> None:
-    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
-    if is_state_dict:
-        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
-    else:
-        coord.register(step, checkpoint_thread_count=1)
-    path = f"{coord.step_dir(step)}/{rel}"
-    coord.save_async(f"u{step}-{rel}", lambda: _write(path, os.urandom(4096)), step, is_state_dict=is_state_dict)
-    coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=DEADLINE_S)
-
-
-def _tracker(root: str, kind: ckptd.Kind) -> int | None:
-    path = os.path.join(root, TRACKERS[kind])
-    return parse_tracker(open(path).read()) if os.path.exists(path) else None
-
-
-def _stale(root: str, step: int, kind: ckptd.Kind) -> list[str] | None:
-    """The files the manifest of ``kind`` alone lists with other bytes than storage holds; None
-    when the step has no such manifest."""
-    manifest = read_manifest(root, step, kind)
-    if manifest is None:
-        return None
-    return changed_files(Storage(root), os.path.basename(ckptd.step_dir(root, step)), manifest.files)
-
-
-def _what_the_trainer_finds(root: str) -> dict:
-    step = _tracker(root, SD)
-    return {"tracker": step, "stale": _stale(root, step, SD) if step is not None else None}
-
-
-def _fail_full_checkpoint(coord, step: int) -> None:
-    """Register the full checkpoint of ``step`` with one checkpoint unit, which fails."""
-    coord.register(step, checkpoint_thread_count=1)
-    coord.save_async("optim", disk_full, step)
 
 
 # -- 1. I5: a registration and a save into the failed step are told before the check --------------
@@ -187,26 +135,26 @@ def test_i5_a_registration_and_a_save_into_the_failed_step_are_told_only_after_t
     retried ``save_checkpoint``) and a worker saves into it: both are told that it failed."""
     s, root, monitor = env.s, env.root, env.monitor
     coord = env.coord()
-    _commit(coord, s + 1, "model.bin", is_state_dict=False)
-    _commit(coord, s + 2, "weights.bin", is_state_dict=True)
-    _replace(f"{env.step_dir(s + 2)}/weights.bin")  # another rank's plain torch.save
+    commit_one(coord, s + 1, "model.bin", is_state_dict=False)
+    commit_one(coord, s + 2, "weights.bin", is_state_dict=True)
+    replace_same_size(f"{env.step_dir(s + 2)}/weights.bin")  # another rank's plain torch.save
     heard: dict = {}
     arm_in_monitor(monitor, "before_revoke", "delay:3")
     try:
-        _fail_full_checkpoint(coord, s + 2)
-        wait_for(lambda: _revoke_loops(monitor, s + 2), timeout_s=DEADLINE_S, what="the withdrawal of S+2")
+        fail_full_checkpoint(coord, s + 2)
+        wait_for(lambda: revoke_loops(monitor, s + 2), timeout_s=DEADLINE_S, what="the withdrawal of S+2")
         with pytest.raises(ckptd.CheckpointSaveError):
             coord.register(s + 2, checkpoint_thread_count=1)
-        heard["register"] = _what_the_trainer_finds(root)
+        heard["register"] = what_the_trainer_finds(root)
         with pytest.raises(ckptd.CheckpointSaveError, match="already failed"):
-            coord.save_sync(lambda: _write(f"{env.step_dir(s + 2)}/late.bin", b"x"), s + 2)
-        heard["save"] = _what_the_trainer_finds(root)
+            coord.save_sync(lambda: write_file(f"{env.step_dir(s + 2)}/late.bin", b"x"), s + 2)
+        heard["save"] = what_the_trainer_finds(root)
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step S+2")
     wait_all(coord)
     coord.close()
-    assert read_manifest(root, s + 2, SD) is None and _tracker(root, SD) == s + 1  # withdrawn in the end
+    assert read_manifest(root, s + 2, SD) is None and tracker_of(root, SD) == s + 1  # withdrawn in the end
     for how, found in heard.items():
         assert found["stale"] in (None, []), (
             f"{how}: told that step {s + 2} failed while the state-dict tracker named step {found['tracker']}, "
@@ -246,9 +194,9 @@ def test_i2_a_state_dict_whose_rewritten_file_is_being_read_back_is_not_counted_
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     other = ckptd.CheckpointCoordinator(monitor, worker_id="w1", notify_timeout_s=599)  # its own notifier
     for step in (1, 2):
-        _commit(coord, step, "weights.bin", is_state_dict=True)
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
     coord.register(3, checkpoint_thread_count=1)
-    _commit(coord, 3, "weights.bin", is_state_dict=True)
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S)) and read_manifest(root, 1, SD) is None
     weights = f"{ckptd.step_dir(root, 3)}/weights.bin"
 
@@ -259,20 +207,20 @@ def test_i2_a_state_dict_whose_rewritten_file_is_being_read_back_is_not_counted_
 
     coord.save_async("model", rewrite, 3)
     wait_for(lambda: _finishing(monitor, 3), timeout_s=DEADLINE_S, what="the monitor to read weights.bin back")
-    _commit(other, 4, "weights.bin", is_state_dict=True)
+    commit_one(other, 4, "weights.bin", is_state_dict=True)
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     if not _finishing(monitor, 3):
         raise _WindowMissed("weights.bin was read back before retention's pass: make BIG larger")
     assert wait_all(coord) is not None  # the unit changed a committed file
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 3")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 3")
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     coord.close()
     other.close()
     with contextlib.suppress(FileNotFoundError):
         os.remove(weights)  # the sparse shard: page cache
-    assert read_manifest(root, 3, SD) is None and _tracker(root, SD) == 4  # withdrawn in the end
+    assert read_manifest(root, 3, SD) is None and tracker_of(root, SD) == 4  # withdrawn in the end
     # I2: steps 4 and 2 are the newest 2 valid state dicts: step 2 must still be there.
-    assert _stale(root, 2, SD) == [], "retention deleted step 2, counting step 3 (being read back) in its place"
+    assert stale_files(root, 2, SD) == [], "retention deleted step 2, counting step 3 (being read back) in its place"
 
 
 # -- 3. I4: an unbounded wait across a monitor restart ---------------------------------------------
@@ -299,7 +247,7 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_restart_as_a_bounded_one_does(
     marker.touch()  # fired already, as far as the failpoint knows: until the marker goes
     monitor = make_monitor(root, runtime_env=failpoint_env("after_publish=delay:3", once))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=1)
-    _commit(coord, 1, "model.bin", is_state_dict=False)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
     coord.register(2, checkpoint_thread_count=1)
     outcomes: dict = {}
 
@@ -322,7 +270,7 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_restart_as_a_bounded_one_does(
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != pid, timeout_s=DEADLINE_S, what="the restart")
     later = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
-    later.save_sync(lambda: _write(f"{ckptd.step_dir(root, 2)}/model.bin", os.urandom(64)), 2)
+    later.save_sync(lambda: write_file(f"{ckptd.step_dir(root, 2)}/model.bin", os.urandom(64)), 2)
     for t in waiters:
         t.join(DEADLINE_S)
     coord.close()

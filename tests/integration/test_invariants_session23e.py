@@ -79,9 +79,20 @@ import ray
 
 import ckptd
 
-from .helpers import arm_in_monitor, disk_full, failpoint_env, read_manifest, wait_all, wait_for
-from .test_invariants_session22 import _busy, _revoke_loops
-from .test_invariants_session23d import _commit, _replace, _tracker, _what_the_trainer_finds
+from .helpers import (
+    arm_in_monitor,
+    busy_coroutines,
+    commit_one,
+    disk_full,
+    failpoint_env,
+    read_manifest,
+    replace_same_size,
+    revoke_loops,
+    tracker_of,
+    wait_all,
+    wait_for,
+    what_the_trainer_finds,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -112,8 +123,8 @@ def _recording(monitor, step: int) -> bool:
 def _fail_full_checkpoint_with_a_slow_record(monitor, coord, root: str, step: int) -> None:
     """Step ``step``'s state dict is committed; its weights.bin is replaced outside units; its
     full checkpoint fails (a checkpoint unit fails) and the failure record is held 3 s."""
-    _commit(coord, step, "weights.bin", is_state_dict=True)
-    _replace(f"{ckptd.step_dir(root, step)}/weights.bin")  # another rank's plain torch.save
+    commit_one(coord, step, "weights.bin", is_state_dict=True)
+    replace_same_size(f"{ckptd.step_dir(root, step)}/weights.bin")  # another rank's plain torch.save
     arm_in_monitor(monitor, "before_failure_record", "delay:3")
     coord.register(step, checkpoint_thread_count=1)
     coord.save_async("optim", disk_full, step)
@@ -131,21 +142,21 @@ def test_i2_a_state_dict_whose_failure_record_is_being_written_is_not_counted_by
     monitor = make_monitor(root)  # max_state_dict_to_keep=2
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     other = ckptd.CheckpointCoordinator(monitor, worker_id="w1", notify_timeout_s=599)  # its own notifier
-    _commit(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
     try:
         _fail_full_checkpoint_with_a_slow_record(monitor, coord, root, 2)
-        _commit(other, 3, "weights.bin", is_state_dict=True)
+        commit_one(other, 3, "weights.bin", is_state_dict=True)
         assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
         if not _recording(monitor, 2):
             raise _WindowMissed("the failure record of step 2 was written before retention's pass")
     finally:
         arm_in_monitor(monitor, "before_failure_record", None)
     assert wait_all(coord) is not None
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 2")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 2")
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     coord.close()
     other.close()
-    assert read_manifest(root, 2, SD) is None and _tracker(root, SD) == 3  # withdrawn in the end
+    assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 3  # withdrawn in the end
     # I2: steps 3 and 1 are the newest 2 valid state dicts: step 1 must still be there.
     assert read_manifest(root, 1, SD) is not None, (
         "retention deleted step 1, counting step 2 (its full checkpoint's failure being recorded, its state dict "
@@ -164,19 +175,19 @@ def test_i1_a_state_dict_withdrawn_after_its_record_was_pruned_is_not_reported_c
     monitor = make_monitor(root, status_history=1, max_state_dict_to_keep=None)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     other = ckptd.CheckpointCoordinator(monitor, worker_id="w1", notify_timeout_s=599)
-    _commit(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
     try:
         _fail_full_checkpoint_with_a_slow_record(monitor, coord, root, 2)
-        _commit(other, 3, "weights.bin", is_state_dict=True)
+        commit_one(other, 3, "weights.bin", is_state_dict=True)
         if not _recording(monitor, 2):
             raise _WindowMissed("the failure record of step 2 was written before step 3 committed")
     finally:
         arm_in_monitor(monitor, "before_failure_record", None)
     assert wait_all(coord) is not None
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 2")
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 2")
     coord.close()
     other.close()
-    assert read_manifest(root, 2, SD) is None and _tracker(root, SD) == 3  # withdrawn
+    assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 3  # withdrawn
     answer = ray.get(monitor.wait_committed.remote(2, "state_dict", 5.0))
     assert not answer["committed"], (
         f"wait_committed(2, 'state_dict') answers {answer}, but step 2's state-dict manifest was withdrawn")
@@ -202,11 +213,11 @@ def test_i5_a_failure_found_at_start_up_is_told_only_after_the_check(make_monito
     marker.touch()  # fired already, as far as the failpoint knows: until the marker goes
     monitor = make_monitor(root, step_timeout_s=3, runtime_env=failpoint_env("before_revoke=delay:2", once))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    _commit(coord, 1, "model.bin", is_state_dict=False)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
     t0 = time.time()
-    _commit(coord, 2, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
     coord.register(2, checkpoint_thread_count=1)
-    _replace(f"{ckptd.step_dir(root, 2)}/weights.bin")
+    replace_same_size(f"{ckptd.step_dir(root, 2)}/weights.bin")
     wait_all(coord)
     coord.close()
     pid = _pid(monitor)
@@ -218,14 +229,14 @@ def test_i5_a_failure_found_at_start_up_is_told_only_after_the_check(make_monito
     marker.unlink()
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: _pid(monitor) != pid, timeout_s=DEADLINE_S, what="the restart")
-    wait_for(lambda: _revoke_loops(monitor, 2), timeout_s=DEADLINE_S, what="the withdrawal of step 2 at start-up")
+    wait_for(lambda: revoke_loops(monitor, 2), timeout_s=DEADLINE_S, what="the withdrawal of step 2 at start-up")
     later = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
     with pytest.raises(ckptd.CheckpointSaveError):
         later.register(2, checkpoint_thread_count=1)
-    heard = _what_the_trainer_finds(root)
-    wait_for(lambda: not _busy(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step 2")
+    heard = what_the_trainer_finds(root)
+    wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the monitor to settle step 2")
     later.close()
-    assert read_manifest(root, 2, SD) is None and _tracker(root, SD) == 1  # withdrawn in the end
+    assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1  # withdrawn in the end
     assert heard["stale"] in (None, []), (
         f"told that step 2 failed while the state-dict tracker named step {heard['tracker']}, whose manifest "
         f"lists {heard['stale']} with other bytes than storage holds")

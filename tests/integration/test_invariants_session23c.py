@@ -111,9 +111,6 @@ CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 
-# -- helpers ---------------------------------------------------------------------------------------
-
-
 # -- 1. I5: a waiter hears of the failed full checkpoint before the state dict was checked ---------
 
 

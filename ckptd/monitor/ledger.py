@@ -103,6 +103,8 @@ class StepLedger:
                 retired = self._retired.pop((step, kind), None)
                 if retired is not None:
                     rec[kind].state, rec[kind].failed_unit, rec[kind].reason = retired
+                    # What a committed state dict lists went with the details (its manifest says).
+                    rec[kind].files_unknown = kind is SD and rec[kind].state is StepState.COMMITTED
         return rec
 
     # -- registrations -------------------------------------------------------------------------

@@ -49,6 +49,7 @@ class KindRecord:
     deferred: bool = False  # a commit waits for the other kind's running units (see the commit path)
     withdrawing: bool = False  # committed, and being withdrawn: its files changed (see the commit path)
     checks: int = 0  # checks of its files against storage in flight (see UnitReports._changed_state_dict)
+    files_unknown: bool = False  # committed, and its record rebuilt after a prune: what it lists is read back
 
     @property
     def settled(self) -> bool:

@@ -111,6 +111,12 @@ class UnitReports:
             # Its committed files are known once that commit ends: the report is checked against them.
             await self.quiesce(uid.step)
         rec = self._ledger.get(uid.step)
+        if rec is not None and rec[SD].files_unknown:
+            try:
+                await self._read_back_committed(rec)
+            except Exception as e:  # this report goes unchecked here; the commit reads the manifest itself
+                log.error("step %d: could not read its committed state dict's manifest: %s: %s", rec.step,
+                          type(e).__name__, e)
         counts = self._ledger.state_of(uid.step, Kind.CHECKPOINT) not in (StepState.COMMITTED, StepState.COMMITTING)
         changed = [] if rec is None or not counts else self._changed_committed_files(rec, files)
         if changed:
@@ -149,29 +155,42 @@ class UnitReports:
         time saw an older version) and the commit keeps the report that matches storage, so a
         counted unit's retried report may hold content the manifest does not list.
         """
-        name = find_step_dir(self._storage, uid.step, self._template)
-        if name is None:
-            return False
         # A state-dict unit counts in the full checkpoint too; a checkpoint unit only there.
         kinds = (Kind.CHECKPOINT,) if uid.kind is Kind.CHECKPOINT else tuple(Kind)
         for kind in kinds:
-            text = self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
-            if text is None:
-                continue
             try:
-                manifest = Manifest.model_validate_json(text)
+                manifest = self._manifest_of(uid.step, kind)
             except ValueError as e:
                 # A damaged manifest cannot vouch for the unit: it is refused as late, and the
                 # rest of its batch (other units' reports) still applies.
                 log.error("step %s: unreadable %s while checking a retried report: %s",
                           uid.step, MANIFESTS[kind], e)
                 continue
-            if uid.key not in manifest.units:
+            if manifest is None or uid.key not in manifest.units:
                 continue
             listed = {f.path for f in manifest.files}
             if all(f.path in listed for f in files):
                 return True
         return False
+
+    def _manifest_of(self, step: int, kind: Kind) -> Manifest | None:
+        """The step's committed manifest of ``kind``, or None (blocking I/O).
+
+        Raises:
+            ValueError: it cannot be read as a manifest.
+        """
+        name = find_step_dir(self._storage, step, self._template)
+        text = None if name is None else self._storage.read_text_or_none(self._storage.join(name, MANIFESTS[kind]))
+        return None if text is None else Manifest.model_validate_json(text)
+
+    async def _read_back_committed(self, rec: StepRecord) -> None:
+        """Fill in what the step's committed state dict lists, when its record was rebuilt after a
+        prune (``files_unknown``): from its manifest, as a restarted monitor does."""
+        manifest = await self._in_thread(self._manifest_of, rec.step, SD)
+        if rec[SD].files_unknown and manifest is not None:
+            rec[SD].committed_units = set(manifest.units)
+            rec[SD].committed_files = {f.path: f for f in manifest.files}
+        rec[SD].files_unknown = False
 
     @staticmethod
     def _changed_committed_files(rec: StepRecord, files: list[FileEntry]) -> list[str]:
@@ -220,13 +239,15 @@ class UnitReports:
                 await self.quiesce(rec.step)
             tries = 0
             while True:
-                if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
-                        or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
-                        or not rec[SD].committed_files):
-                    return []
                 try:
-                    return await self._in_thread(self._committer.differs, rec.step,
-                                                 list(rec[SD].committed_files.values()) if entries is None else entries)
+                    if rec[SD].files_unknown:
+                        await self._read_back_committed(rec)
+                    if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
+                            or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
+                            or not rec[SD].committed_files):
+                        return []
+                    listed = list(rec[SD].committed_files.values()) if entries is None else entries
+                    return await self._in_thread(self._committer.differs, rec.step, listed)
                 except Exception as e:
                     tries += 1
                     delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)

@@ -7,6 +7,8 @@ reaches Ray actors through ``runtime_env={"env_vars": {...}}``. Actions:
 * ``raise``: raise :class:`~ckptd.errors.FailpointError` at that point.
 * ``crash``: end the process at once with ``os._exit(137)``, as a SIGKILL would.
 * ``delay:SECONDS``: sleep, as slow storage would.
+* ``until:SECONDS:PATH``: wait until the file PATH exists, at most SECONDS: a hold that a test
+  (or a drill) releases when it is done looking.
 
 With ``CKPTD_FAILPOINTS_ONCE=DIR`` set, each failpoint fires once across every process that
 shares DIR (a marker file records it). That is what a crash drill needs: the restarted process
@@ -57,12 +59,14 @@ def _check(name: str, action: str) -> None:
     if action in ACTIONS:
         return
     kind, _, arg = action.partition(":")
+    seconds, _, path = arg.partition(":")
     try:
-        if kind == "delay" and float(arg) >= 0:
+        if kind == "delay" and float(arg) >= 0 or kind == "until" and float(seconds) >= 0 and path:
             return
     except ValueError:
         pass
-    raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS} or delay:SECONDS")
+    raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS}, delay:SECONDS or "
+                     "until:SECONDS:PATH")
 
 
 def _from_env() -> dict[str, str]:
@@ -110,6 +114,11 @@ def hit(name: str) -> None:
         os._exit(137)
     if action is not None and action.startswith("delay:"):
         time.sleep(float(action.split(":", 1)[1]))
+    if action is not None and action.startswith("until:"):
+        _, seconds, path = action.split(":", 2)
+        deadline = time.monotonic() + float(seconds)
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _first_time(name: str) -> bool:

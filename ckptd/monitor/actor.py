@@ -30,7 +30,7 @@ from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, starte
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import CKPT, SD, StepLedger, StepRecord
+from ckptd.monitor.ledger import StepLedger
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -38,6 +38,7 @@ from ckptd.monitor.rebuild import rebuild
 from ckptd.monitor.recorder import Recorder
 from ckptd.monitor.retention import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
+from ckptd.monitor.startup import Startup
 from ckptd.monitor.status import build_status
 from ckptd.monitor.unit_reports import UnitReports, slot_key
 from ckptd.protocol import Registration, UnitId
@@ -51,7 +52,7 @@ log = logging.getLogger("ckptd.monitor")
 _HISTORY = 1000  # unshared writers reported by status()
 
 
-class CheckpointMonitor(UnitReports, CommitFlow, Publication):
+class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -113,13 +114,6 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         self._committed_at_start = rebuilt.committed_at_start
         self._restore_readers(rebuilt.scanned)  # before retention: leases recorded by earlier monitors hold their steps
         self._failures_recorded |= rebuilt.failures
-        # A recorded failure of a full checkpoint whose state dict ``_resume`` checks is reported
-        # only after that check (as a live one is: see ``_record_failure``).
-        self._held_failures = {(rec.step, CKPT) for rec in rebuilt.steps
-                               if (rec.step, CKPT) in rebuilt.failures and self._touched(rec)}
-        self._failures_durable |= rebuilt.failures - self._held_failures
-        for held in self._held_failures:  # what durable() waits for
-            self._failure_writes[held] = asyncio.Event()
         for step in rebuilt.settled:
             self._io.submit(self._cleanup, step)
         self._recorder = Recorder(self._storage, run, attempt, self._opts.timeline_steps,
@@ -139,54 +133,8 @@ class CheckpointMonitor(UnitReports, CommitFlow, Publication):
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail
         # before anything can commit them.
         self._ledger.expire(time.time())
-        for rec in rebuilt.steps:
-            # A full checkpoint failed but not recorded (it timed out while no monitor ran, or a
-            # unit's failure receipt is all there is): nobody hears of it before it is recorded
-            # and its state dict checked, which _resume_step starts (through _after_change).
-            self._pending_failures(rec)
+        self._hold_failures(rebuilt.steps, rebuilt.failures)
         self._spawn(self._resume(rebuilt.steps))
-
-    async def _resume(self, steps: list[StepRecord]) -> None:
-        """The steps in flight when this monitor started. A committed state dict whose full
-        checkpoint was under way may have had a file replaced since it committed (by a unit, or
-        by anything else), and the last monitor may have died withdrawing it: its files are
-        checked again (see ``withdraw_if_changed``), and retention's first pass waits for these
-        checks, so that it never counts a stale state dict among those it keeps."""
-        stale: dict[int, list[str]] = {}
-
-        async def check(rec: StepRecord) -> None:
-            try:
-                gone = await self._changed_state_dict(rec)  # storage errors are retried there
-            except Exception:  # a bug: logged, and retention must still run
-                log.exception("step %d: checking its committed state dict at start-up", rec.step)
-                return
-            if gone:
-                rec[SD].withdrawing = True  # before retention's pass: kept, not counted
-                stale[rec.step] = gone
-
-        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec)))
-        self._retention.release()
-        for rec in steps:
-            self._spawn(self._resume_step(rec, stale.get(rec.step)))
-
-    def _touched(self, rec: StepRecord) -> bool:
-        """Whether a unit or the full checkpoint of the step may have changed its committed state
-        dict: a state dict alone (no checkpoint registered or saved) is not checked again."""
-        return rec.active(Kind.CHECKPOINT) or any(
-            u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
-            for u in rec.units.values())
-
-    async def _resume_step(self, rec: StepRecord, gone: list[str] | None) -> None:
-        if gone:
-            await self._revoke_state_dict(rec, self._withdrawn_because(
-                rec, gone, "the step was in flight when the monitor restarted"))
-        held = (rec.step, CKPT)
-        if held in self._held_failures:
-            self._held_failures.discard(held)
-            self._failures_durable.add(held)
-            self._failure_writes.pop(held).set()
-            self._wake(*held)
-        await self._after_change(rec)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_event_loop().create_task(coro)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -436,22 +437,29 @@ def registrar_held(monitor) -> bool:
     return s is not None and s.state.value == "committing"
 
 
-def hold_commit(coord, monitor, root: str, seconds: float) -> None:
-    """Start the commit of HOLD_STEP (one unit of ``coord``) and hold it in ``before_manifest`` for
-    about ``seconds``; return once it is in flight."""
-    arm_in_monitor(monitor, "before_manifest", f"delay:{seconds:g}")
+def hold_commit(coord, monitor, root: str, seconds: float) -> Callable[[], None]:
+    """Start the commit of HOLD_STEP (one unit of ``coord``) and hold it in ``before_manifest``
+    until the returned function is called, or for ``seconds`` at most; return once it is in flight."""
+    gate = os.path.join(os.path.dirname(root.rstrip("/")), f"hold-{next(_holds)}")  # beside the root
+    arm_in_monitor(monitor, "before_manifest", f"until:{seconds:g}:{gate}")
     coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
     coord.register(HOLD_STEP, checkpoint_thread_count=1)
     wait_for(lambda: registrar_held(monitor), what="the commit of the holding step to start")
     arm_in_monitor(monitor, "before_manifest", None)
+    return lambda: open(gate, "w").close()
 
 
-def hold_registrar(coord, monitor, root: str, seconds: float = 8) -> None:
-    """Hold ``coord``'s registrar for about ``seconds``: every wait=False registration made after
-    this is applied only once the commit of HOLD_STEP ends. The default leaves room for the work a
-    test checks while it is held on a loaded CI machine (3 s once did not)."""
-    hold_commit(coord, monitor, root, seconds)
+_holds = itertools.count()
+
+
+def hold_registrar(coord, monitor, root: str, seconds: float = 8) -> Callable[[], None]:
+    """Hold ``coord``'s registrar until the returned function is called, or for ``seconds`` at
+    most: every wait=False registration made after this is applied only once the commit of
+    HOLD_STEP ends. The bound leaves room for the work a test checks while it is held on a loaded
+    CI machine (3 s once did not); a test that is done looking releases it."""
+    release = hold_commit(coord, monitor, root, seconds)
     coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended
+    return release
 
 
 def start_new_job(make_monitor, root: str, old_monitor, **opts):

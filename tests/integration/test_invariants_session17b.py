@@ -87,7 +87,7 @@ def test_every_thread_path_waits_for_earlier_registrations_and_before_update_doe
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    hold_registrar(coord, monitor, root)
+    release = hold_registrar(coord, monitor, root)
     for _ in range(4):
         coord.register(5, checkpoint_thread_count=1, wait=False)
     wrote = threading.Event()
@@ -101,6 +101,7 @@ def test_every_thread_path_waits_for_earlier_registrations_and_before_update_doe
              what="the eager snapshot to be written")
     assert registrar_held(monitor)
     assert _finished(monitor, 5) == [] and "finished" not in _receipts(root, 5)
+    release()
     coord.save_sync(lambda: write_step_file(root, 5, "sync.bin"), 5)  # returns once its barrier passed
     s = status(monitor).step(5)
     assert s.expected == 4 and "sync" in " ".join(s.finished)
@@ -115,7 +116,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_moni
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wproc", writer="process", max_staged=1)
-    hold_registrar(coord, monitor, root)
+    release = hold_registrar(coord, monitor, root)
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.register(5, checkpoint_thread_count=1, wait=False)
     coord.register(6, checkpoint_thread_count=1, wait=False)
@@ -127,6 +128,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_moni
     assert in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
     assert registrar_held(monitor), "a staged save of the writer process waited for the held registrations"
     assert _finished(monitor, 5) == [] and _finished(monitor, 6) == []
+    release()
     coord.wait_all()
     coord.wait_committed(6, timeout_s=30)
     assert _files(root, 5) == ["model.safetensors", "optim.safetensors"]
@@ -165,13 +167,14 @@ def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations
     monitor = make_monitor(root)
     actor = _ActorCoordinator.remote(run_name, root)
     driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
-    hold_commit(driver, monitor, root, 8)
+    release = hold_commit(driver, monitor, root, 8)
     ray.get(actor.register_bg.remote(HOLD_STEP, 0))  # the actor's registrar is held now
     ray.get(actor.register_bg.remote(5, 1))
     ray.get(actor.register_bg.remote(5, 1))
     ray.get(actor.save.remote(5, "a"))
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "a.bin")), what="a.bin")
     assert registrar_held(monitor) and _finished(monitor, 5) == []
+    release()
     ray.get(actor.wait_all.remote(), timeout=30)
     s = status(monitor).step(5)
     assert (s.expected, len(s.finished), s.committed) == (2, 1, False)  # never committed short
@@ -192,7 +195,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     a = ckptd.CheckpointCoordinator(monitor, worker_id="ca")
     b = ckptd.CheckpointCoordinator(monitor, worker_id="cb")  # same process: one shared notifier
     # Held long enough for b's two saves and its commit on a loaded CI machine (3 s once was not).
-    hold_registrar(a, monitor, root, seconds=12)
+    release = hold_registrar(a, monitor, root, seconds=12)
     a.register(8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: write_step_file(root, 8, "a.bin"), 8)
     # b, with background registrations of its own, saves and commits while a's are held.
@@ -204,6 +207,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     assert registrar_held(monitor), "coordinator b waited for coordinator a's registrations"
     assert _finished(monitor, 8) == []
     assert _files(root, 9) == ["b1.bin", "b2.bin"]
+    release()
     a.wait_all()
     a.wait_committed(8, timeout_s=30)
     assert _files(root, 8) == ["a.bin"]
@@ -223,10 +227,12 @@ def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(make
         write_step_file(root, 7, "early.bin")
 
     coord.save_async("early", early, 7)  # before any wait=False registration
-    hold_registrar(coord, monitor, root)
+    release = hold_registrar(coord, monitor, root)
     coord.register(8, checkpoint_thread_count=1, wait=False)
     coord.save_async("late", lambda: write_step_file(root, 8, "late.bin"), 8)
     gate.set()
+    wait_for(lambda: (s := status(monitor).step(7)) is not None and s.committed, what="step 7 to commit")
+    release()
     coord.wait_committed(7, timeout_s=30)  # a blocking call: also waits for the held registrations
     wait_for(lambda: _finished(monitor, 7), timeout_s=1, what="the early unit")
     # The early unit finished (and its step committed) before the commit of step 1 let the
@@ -252,7 +258,7 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
     monitor = make_monitor(root, save_strategy="single_thread")
     a = ckptd.CheckpointCoordinator(monitor, worker_id="ta")
     b = ckptd.CheckpointCoordinator(monitor, worker_id="tb")
-    hold_registrar(a, monitor, root)
+    release = hold_registrar(a, monitor, root)
     wrote = threading.Event()
     a.register(8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: (write_step_file(root, 8, "a.bin"), wrote.set()) and None, 8)
@@ -261,6 +267,7 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
     b.wait_committed(9, timeout_s=30)
     written_while_held = wrote.is_set()
     held = registrar_held(monitor)
+    release()
     a.wait_all()
     a.wait_committed(8, timeout_s=30)
     assert _files(root, 8) == ["a.bin"] and _files(root, 9) == ["b.bin"]
@@ -277,11 +284,12 @@ def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_comm
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    hold_commit(coord, monitor, root, 3)
+    release = hold_commit(coord, monitor, root, 3)
     coord.register(HOLD_STEP, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
     coord.register(5, checkpoint_thread_count=2, wait=False)
     coord.save_async("a", lambda: write_step_file(root, 5, "a.bin"), 5)
     coord.save_async("b", lambda: write_step_file(root, 5, "b.bin"), 5)
+    release()
     result = in_thread(coord.wait_all)
     assert result[0] == "raised" and isinstance(result[1], ckptd.RegistrationConflictError), result
     assert in_thread(coord.wait_all)[0] == "ok"  # raised once; both units ended
@@ -305,7 +313,9 @@ def test_a_monitor_gone_for_good_releases_the_barrier_and_the_waiting_unit_ends_
     assert registrar_held(monitor) and "finished" not in _receipts(root, 5)
     ray.kill(monitor, no_restart=True)
     first = in_thread(coord.wait_all)
-    assert first[0] == "raised" and isinstance(first[1], ray.exceptions.RayActorError), first
+    # Dead, or holding the registration past the timeout before it was killed: either way it fails.
+    gone = (ray.exceptions.RayActorError, ckptd.CheckpointTimeoutError)
+    assert first[0] == "raised" and isinstance(first[1], gone), first
     second = in_thread(coord.wait_all)
     assert second[0] == "raised" and isinstance(second[1], ckptd.CheckpointSaveError), second
     assert _receipts(root, 5).get("failed") == ["a"] and "finished" not in _receipts(root, 5)
@@ -350,7 +360,7 @@ def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="wbp", max_pending=1, max_staged=1)
-    hold_registrar(coord, monitor, root)
+    release = hold_registrar(coord, monitor, root)
     coord.register(5, checkpoint_thread_count=3, wait=False)
     coord.register(6, checkpoint_thread_count=2, wait=False)
     done = threading.Event()
@@ -367,6 +377,7 @@ def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "m0.bin")), what="m0.bin")
     # m0 waits at its barrier, so the third save of the lane cannot have returned yet.
     assert registrar_held(monitor) and not done.is_set()
+    release()
     worker.join(20)
     assert done.is_set(), "the training thread stayed blocked after the registrations were applied"
     coord.wait_all()

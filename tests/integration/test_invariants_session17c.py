@@ -235,7 +235,7 @@ def test_a_failed_checkpoint_unit_leaves_the_background_registered_state_dict_to
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    hold_registrar(coord, monitor, root)
+    release = hold_registrar(coord, monitor, root)
     coord.register(7, is_state_dict=True, state_dict_thread_count=1, wait=False)
     coord.register(7, is_state_dict=True, state_dict_thread_count=1, wait=False)  # adds up: two
     coord.register(7, checkpoint_thread_count=1, wait=False)
@@ -243,6 +243,7 @@ def test_a_failed_checkpoint_unit_leaves_the_background_registered_state_dict_to
     coord.save_async("m0", lambda: write_step_file(root, 7, "m0.bin"), 7, is_state_dict=True)
     wait_for(lambda: _failed(monitor, 7), what="the checkpoint of step 7 to fail")
     assert registrar_held(monitor)
+    release()
     errors = _drain(coord)
     assert any(isinstance(e, ckptd.CheckpointSaveError) and e.unit.endswith("optim") for e in errors), errors
     s = status(monitor).step(7, SD)

@@ -84,8 +84,9 @@ def sha(path: str) -> str:
     return h.hexdigest()
 
 
-def files_of(root: str) -> dict[str, tuple[str, int]]:
-    """Every file of a step (outside .ckptd and the trackers, which move): its hash and inode."""
+def files_of(root: str) -> dict[str, tuple[int, int, int]]:
+    """Every file of a step (outside .ckptd and the trackers, which move): its inode, size and
+    modification time (a write in place changes it; the bytes are hashed once, see the test)."""
     out = {}
     for d, dirs, names in os.walk(root):
         dirs[:] = [x for x in dirs if x != ".ckptd"]
@@ -93,7 +94,8 @@ def files_of(root: str) -> dict[str, tuple[str, int]]:
             if d == root:
                 continue
             p = os.path.join(d, n)
-            out[p] = (sha(p), os.stat(p).st_ino)
+            st = os.stat(p)
+            out[p] = (st.st_ino, st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -112,7 +114,8 @@ def test_large_staged_saves_at_every_buffer_step_are_the_snapshot_and_never_chan
     assert sorted({buffer_size(s) for s in SIZES}) == [16 * MiB, 32 * MiB, 48 * MiB, 64 * MiB]
     root = str(tmp_path / "ckpt")
     coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w0")
-    committed: dict[str, tuple[str, int]] = {}
+    committed: dict[str, tuple[int, int, int]] = {}
+    hashes: dict[str, str] = {}  # each file's bytes when it was committed
     for step, size in enumerate(SIZES, start=1):
         t = big(size, step)
         want = t.clone()
@@ -124,11 +127,14 @@ def test_large_staged_saves_at_every_buffer_step_are_the_snapshot_and_never_chan
         ckptd.verify(root, step)
         assert torch.equal(load_file(path)["w"], want), f"step {step} ({size} bytes) is not the snapshot"
         del t, want
-        # Nothing committed earlier changed (bytes, inode).
+        # Nothing committed earlier changed (inode, size, time; the bytes at the end).
         now = files_of(root)
         for p, v in committed.items():
             assert now[p] == v, f"{p} changed after it was committed"
+        hashes.update({p: sha(p) for p in now if p not in hashes})
         committed = now
+    for p, h in hashes.items():
+        assert sha(p) == h, f"{p} changed after it was committed"
     assert wait_all(coord) is None
     assert assert_trackers_verified(root)[ckptd.Kind.CHECKPOINT] == len(SIZES)
     coord.close()

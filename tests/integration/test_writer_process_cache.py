@@ -436,7 +436,7 @@ def test_a_write_that_raises_keeps_the_writer_and_its_sets_and_the_next_step_is_
 
 
 def test_sets_collected_while_saves_go_on_never_leave_a_job_naming_a_dropped_set(make_monitor, tmp_path):
-    """A thread runs gc.collect() every few milliseconds while three names save with shapes changing at
+    """A thread runs gc.collect() over and over while three names save with shapes changing at
     every few steps (sets dropped and collected at any moment, in any thread): every step
     commits with its own data."""
     root = str(tmp_path / "ckpt")
@@ -444,7 +444,8 @@ def test_sets_collected_while_saves_go_on_never_leave_a_job_naming_a_dropped_set
     stop = threading.Event()
 
     def collect() -> None:
-        while not stop.wait(0.005):
+        # A collection of this process's heap holds the GIL ~0.1 s: one in every 0.15 s or so.
+        while not stop.wait(0.05):
             gc.collect()
 
     collector = threading.Thread(target=collect, daemon=True)

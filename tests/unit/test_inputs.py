@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 
 import pytest
 
@@ -84,8 +86,27 @@ def test_failpoints_reject_unknown_names_and_actions():
         failpoints.arm("before_manifst")
     with pytest.raises(ValueError, match="unknown failpoint action"):
         failpoints.arm("before_manifest", "explode")
+    for bad in ("until:5", "until:x:/tmp/gate", "until:-1:/tmp/gate"):
+        with pytest.raises(ValueError, match="until:SECONDS:PATH"):
+            failpoints.arm("before_manifest", bad)
     with pytest.raises(ValueError, match="unknown failpoint"):
         failpoints.hit("nope")
+
+
+def test_an_until_failpoint_holds_until_its_file_exists_or_its_bound(tmp_path):
+    gate = tmp_path / "gate"
+    failpoints.arm("before_manifest", f"until:30:{gate}")
+    try:
+        threading.Timer(0.2, gate.touch).start()
+        started = time.monotonic()
+        failpoints.hit("before_manifest")  # released by the file, long before its 30 s bound
+        assert 0.15 < time.monotonic() - started < 20
+        failpoints.arm("before_manifest", f"until:0.2:{tmp_path / 'never'}")
+        started = time.monotonic()
+        failpoints.hit("before_manifest")  # no file: the bound ends it
+        assert time.monotonic() - started >= 0.2
+    finally:
+        failpoints.disarm()
 
 
 def test_failpoints_fire_when_armed_in_process_or_env(monkeypatch):

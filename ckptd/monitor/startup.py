@@ -1,0 +1,75 @@
+"""What a starting monitor does with the steps in flight when the last one stopped: their
+committed state dicts are checked again before retention runs or anyone hears of a failure.
+
+A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor` (it uses the actor's ledger,
+retention runner, unit reports and commit flow), kept apart because it is one idea: resuming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ckptd.config import Kind
+from ckptd.monitor.ledger import CKPT, SD, StepRecord
+
+log = logging.getLogger("ckptd.monitor")
+
+
+class Startup:
+    def _hold_failures(self, steps: list[StepRecord], recorded: set[tuple[int, Kind]]) -> None:
+        """Called in ``__init__``, once the ledger is rebuilt. A failure of a full checkpoint whose
+        state dict :meth:`_resume` checks is reported only after that check, as a live one is
+        (see ``_record_failure``): a recorded one is held until :meth:`_resume_step`, one not
+        recorded yet (a step that timed out while no monitor ran, or of which a unit's failure
+        receipt is all there is) until it is recorded and checked."""
+        self._held_failures = {(rec.step, CKPT) for rec in steps if (rec.step, CKPT) in recorded and self._touched(rec)}
+        self._failures_durable |= recorded - self._held_failures
+        for held in self._held_failures:  # what durable() waits for
+            self._failure_writes[held] = asyncio.Event()
+        for rec in steps:
+            self._pending_failures(rec)
+
+    async def _resume(self, steps: list[StepRecord]) -> None:
+        """The steps in flight when this monitor started. A committed state dict whose full
+        checkpoint was under way may have had a file replaced since it committed (by a unit, or
+        by anything else), and the last monitor may have died withdrawing it: its files are
+        checked again (see ``withdraw_if_changed``), and retention's first pass waits for these
+        checks, so that it never counts a stale state dict among those it keeps."""
+        stale: dict[int, list[str]] = {}
+
+        async def check(rec: StepRecord) -> None:
+            try:
+                gone = await self._changed_state_dict(rec)  # storage errors are retried there
+            except Exception:  # a bug: logged, and retention must still run
+                log.exception("step %d: checking its committed state dict at start-up", rec.step)
+                return
+            if gone:
+                rec[SD].withdrawing = True  # before retention's pass: kept, not counted
+                stale[rec.step] = gone
+
+        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec)))
+        self._retention.release()
+        for rec in steps:
+            self._spawn(self._resume_step(rec, stale.get(rec.step)))
+
+    def _touched(self, rec: StepRecord) -> bool:
+        """Whether a unit or the full checkpoint of the step may have changed its committed state
+        dict: a state dict alone (no checkpoint registered or saved) is not checked again."""
+        return rec.active(Kind.CHECKPOINT) or any(
+            u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
+            for u in rec.units.values())
+
+    async def _resume_step(self, rec: StepRecord, gone: list[str] | None) -> None:
+        """Withdraw the step's state dict if its check found files ``gone``, release its held
+        failure, and go on as after any change (commits, failures to record)."""
+        if gone:
+            await self._revoke_state_dict(rec, self._withdrawn_because(
+                rec, gone, "the step was in flight when the monitor restarted"))
+        held = (rec.step, CKPT)
+        if held in self._held_failures:
+            self._held_failures.discard(held)
+            self._failures_durable.add(held)
+            self._failure_writes.pop(held).set()
+            self._wake(*held)
+        await self._after_change(rec)

@@ -92,9 +92,10 @@ class MonitorClient:
         ``waits_s`` is added for a method that waits on the monitor by design (``wait_committed``'s
         own timeout). With None, it is waited for as long as the monitor is alive: as long as it
         answers a ping within the timeout, or Ray is restarting it (a wait the caller asked to be
-        unbounded, or a writer slot, which comes when other writers end). ``until`` (``time.monotonic()``) replaces the
-        bound on the answer, for calls that share one. Retries while the monitor is unreachable
-        end at the client's timeout (plus ``waits_s``) in every case.
+        unbounded, or a writer slot, which comes when other writers end). ``until`` (a
+        ``time.monotonic()``) replaces the bound on the answer, for calls that share one. Retries
+        while the monitor is unreachable end at the client's timeout (plus ``waits_s``) in every
+        case.
 
         Raises:
             RayActorError: the monitor stayed unreachable (dead, restarting) until the deadline.

@@ -186,7 +186,11 @@ class UnitReports:
     async def _read_back_committed(self, rec: StepRecord) -> None:
         """Fill in what the step's committed state dict lists, when its record was rebuilt after a
         prune (``files_unknown``): from its manifest, as a restarted monitor does."""
-        manifest = await self._in_thread(self._manifest_of, rec.step, SD)
+        try:
+            manifest = await self._in_thread(self._manifest_of, rec.step, SD)
+        except ValueError as e:  # damaged: it vouches for nothing, and no retry will mend it
+            log.error("step %d: unreadable %s: %s", rec.step, MANIFESTS[SD], e)
+            manifest = None
         if rec[SD].files_unknown and manifest is not None:
             rec[SD].committed_units = set(manifest.units)
             rec[SD].committed_files = {f.path: f for f in manifest.files}
@@ -217,7 +221,7 @@ class UnitReports:
         Called on every failure of the step: a failed unit (which reports no files, but may have
         replaced one before it failed: a writer that publishes two files, a ``save_fn`` that
         writes and then raises), a full checkpoint that failed (its commit, or its timeout), and a
-        restart (``actor._resume``); a finished unit's report is checked against the same list in
+        restart (``startup._resume``); a finished unit's report is checked against the same list in
         :meth:`_finished`. Storage decides: every listed file is checksummed, which only happens
         for a step whose state dict committed."""
         gone = await self._changed_state_dict(rec)

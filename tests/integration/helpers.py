@@ -659,3 +659,8 @@ def what_the_trainer_finds(root: str) -> dict:
     """The state-dict tracker, and the files its step's manifest lists with other bytes than storage holds."""
     step = tracker_of(root, ckptd.Kind.STATE_DICT)
     return {"tracker": step, "stale": stale_files(root, step, ckptd.Kind.STATE_DICT) if step is not None else None}
+
+
+class WindowMissed(RuntimeError):
+    """An attack's race could not be set up this time (not the bug it guards against): a
+    RuntimeError, not an AssertionError."""

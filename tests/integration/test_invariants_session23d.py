@@ -97,6 +97,7 @@ import ckptd
 from ckptd.layout import TRACKERS
 
 from .helpers import (
+    WindowMissed,
     arm_in_monitor,
     busy_coroutines,
     commit_one,
@@ -172,10 +173,6 @@ def _finishing(monitor, step: int) -> bool:
     return ray.get(monitor.__ray_call__.remote(probe))
 
 
-class _WindowMissed(RuntimeError):
-    """The case could not be set up (not the bug it guards against): a RuntimeError, not an AssertionError."""
-
-
 BIG = 1 << 30  # a shard of a real state dict; sparse, so the test writes nothing (reading it takes ~2 s)
 
 
@@ -207,7 +204,7 @@ def test_i2_a_state_dict_whose_rewritten_file_is_being_read_back_is_not_counted_
     commit_one(other, 4, "weights.bin", is_state_dict=True)
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     if not _finishing(monitor, 3):
-        raise _WindowMissed("weights.bin was read back before retention's pass: make BIG larger")
+        raise WindowMissed("weights.bin was read back before retention's pass: make BIG larger")
     assert wait_all(coord) is not None  # the unit changed a committed file
     wait_for(lambda: not busy_coroutines(monitor), timeout_s=DEADLINE_S, what="the withdrawal of step 3")
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))

@@ -80,6 +80,7 @@ import ray
 import ckptd
 
 from .helpers import (
+    WindowMissed,
     arm_in_monitor,
     busy_coroutines,
     commit_one,
@@ -98,10 +99,6 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 DEADLINE_S = 60.0  # far beyond what any wait here needs: reaching it means a hang
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
-
-
-class _WindowMissed(RuntimeError):
-    """The case could not be set up (not the bug it guards against): a RuntimeError, not an AssertionError."""
 
 
 def _recording(monitor, step: int) -> bool:
@@ -148,7 +145,7 @@ def test_i2_a_state_dict_whose_failure_record_is_being_written_is_not_counted_by
         commit_one(other, 3, "weights.bin", is_state_dict=True)
         assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
         if not _recording(monitor, 2):
-            raise _WindowMissed("the failure record of step 2 was written before retention's pass")
+            raise WindowMissed("the failure record of step 2 was written before retention's pass")
     finally:
         arm_in_monitor(monitor, "before_failure_record", None)
     assert wait_all(coord) is not None
@@ -180,7 +177,7 @@ def test_i1_a_state_dict_withdrawn_after_its_record_was_pruned_is_not_reported_c
         _fail_full_checkpoint_with_a_slow_record(monitor, coord, root, 2)
         commit_one(other, 3, "weights.bin", is_state_dict=True)
         if not _recording(monitor, 2):
-            raise _WindowMissed("the failure record of step 2 was written before step 3 committed")
+            raise WindowMissed("the failure record of step 2 was written before step 3 committed")
     finally:
         arm_in_monitor(monitor, "before_failure_record", None)
     assert wait_all(coord) is not None
@@ -224,7 +221,7 @@ def test_i5_a_failure_found_at_start_up_is_told_only_after_the_check(make_monito
     os.kill(pid, signal.SIGSTOP)
     if time.time() - t0 > 2.5:
         os.kill(pid, signal.SIGKILL)
-        raise _WindowMissed("step 2 may have timed out before the monitor was stopped")
+        raise WindowMissed("step 2 may have timed out before the monitor was stopped")
     time.sleep(max(0.0, t0 + 3.5 - time.time()))  # the step's timeout passes while no monitor runs
     marker.unlink()
     os.kill(pid, signal.SIGKILL)

@@ -73,6 +73,7 @@ import ray
 import ckptd
 
 from .helpers import (
+    WindowMissed,
     arm_in_monitor,
     busy_coroutines,
     commit_one,
@@ -89,10 +90,6 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 DEADLINE_S = 60.0  # far beyond what any wait here needs: reaching it means a hang
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
-
-
-class _WindowMissed(RuntimeError):
-    """The case could not be set up (not the bug it guards against): a RuntimeError, not an AssertionError."""
 
 
 def _probe(monitor, fn):
@@ -126,7 +123,7 @@ def test_i4_a_fenced_state_dict_of_a_pruned_step_is_told_once_recorded_and_then_
         commit_one(coord, 4, "weights.bin", is_state_dict=True)
         assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
         if (3, SD.value) not in _failure_writes(monitor):
-            raise _WindowMissed("the fence's failure record of step 3 was written before the registration")
+            raise WindowMissed("the fence's failure record of step 3 was written before the registration")
     finally:
         arm_in_monitor(monitor, "before_failure_record", None)
     outcome, error = in_thread(lambda: coord.register(3, is_state_dict=True, state_dict_thread_count=1), DEADLINE_S)
@@ -155,7 +152,7 @@ def test_i1_a_checkpoint_unit_that_replaces_a_file_of_a_pruned_state_dict_then_f
     assert wait_all(coord) is not None
     commit_one(coord, 5, "weights.bin", is_state_dict=True)
     if _has_record(monitor, 5):
-        raise _WindowMissed("step 5's record was not pruned")
+        raise WindowMissed("step 5's record was not pruned")
     weights = f"{ckptd.step_dir(root, 5)}/weights.bin"
 
     def replace_then_fail():

@@ -21,8 +21,8 @@ from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
 
-_RETRY_BASE_S = 0.05  # storage retries of the commit path: the first delay, and the longest
-_MAX_RETRY_S = 5.0
+RETRY_BASE_S = 0.05  # storage retries of the commit path: the first delay, and the longest
+MAX_RETRY_S = 5.0
 _NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
@@ -119,8 +119,12 @@ class CommitFlow:
                 await self._in_thread(self._write_failure, rec.step, kind, reason)
                 break
             except Exception as e:
-                tries = await self._back_off(tries, "failure_record", e, f"could not record the failure of step "
-                                             f"{rec.step} ({kind.value}); it is reported once it is recorded")
+                tries += 1
+                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
+                log.error("could not record the failure of step %d (%s): %s: %s; retry %d in %.2f s (the failure "
+                          "is reported once it is recorded)", rec.step, kind.value, type(e).__name__, e, tries, delay)
+                self._metrics.inc(RETRIED_REQUESTS, request="failure_record")
+                await asyncio.sleep(delay)
         if kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
@@ -235,16 +239,6 @@ class CommitFlow:
         self._ledger.prune(self._opts.status_history, self._failure_unsettled)
         self._retention.schedule()
 
-    async def _back_off(self, tries: int, request: str, error: Exception, what: str) -> int:
-        """After failed try ``tries`` (from 0) of a storage request retried until it succeeds:
-        log it, count it (``request`` labels the retry), wait; the number of tries so far."""
-        tries += 1
-        delay = min(_RETRY_BASE_S * 2**tries, _MAX_RETRY_S)
-        log.error("%s: %s: %s; retry %d in %.2f s", what, type(error).__name__, error, tries, delay)
-        self._metrics.inc(RETRIED_REQUESTS, request=request)
-        await asyncio.sleep(delay)
-        return tries
-
     async def _retrying(self, request: str, fn, *args) -> Any:
         """``fn(*args)`` in the I/O pool, retried with backoff; ``request`` labels the retries."""
         for attempt in range(self._opts.commit_retries + 1):
@@ -257,7 +251,7 @@ class CommitFlow:
                     raise
                 log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
                 self._metrics.inc(RETRIED_REQUESTS, request=request)
-                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
+                await asyncio.sleep(RETRY_BASE_S * 2**attempt)
 
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
         # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
@@ -315,8 +309,12 @@ class CommitFlow:
                 log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
                 break
             except Exception as e:
-                tries = await self._back_off(tries, "revoke", e,
-                                             f"could not withdraw the state dict of step {rec.step}")
+                tries += 1
+                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
+                log.error("could not withdraw the state dict of step %d: %s: %s; retry %d in %.2f s", rec.step,
+                          type(e).__name__, e, tries, delay)
+                self._metrics.inc(RETRIED_REQUESTS, request="revoke")
+                await asyncio.sleep(delay)
         rec[SD].withdrawing = False
         self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)

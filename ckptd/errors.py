@@ -60,3 +60,13 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A wait (for a weight version, for instance) ran out of time before what it waited for happened."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` so that its traceback shows it (PEP 678): for failures that
+    happened beside the one raised and would otherwise be reported nowhere. Python 3.10 has no
+    ``add_note``; there the note is kept in ``__notes__`` all the same (tracebacks do not show it)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]

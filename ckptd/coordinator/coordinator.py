@@ -27,7 +27,7 @@ from ckptd.coordinator.staging import StagingArea
 from ckptd.coordinator.trainer_calls import TrainerCalls
 from ckptd.coordinator.unit_runner import UnitRunner
 from ckptd.coordinator.writer_process import WRITERS, WriterProcess
-from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
+from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, add_note
 from ckptd.metrics import SAVE_BLOCKED
 from ckptd.protocol import UnitId
 from ckptd.shared_root import remove_probe, where_am_i, write_probe
@@ -247,14 +247,29 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
                 reported once.
             CheckpointError: a registration sent with ``wait=False`` failed (what ``register``
                 would have raised, or the monitor could not be reached). It is raised before
-                failed saves, which the next wait_all raises.
+                failed saves, which the next wait_all raises; a note on it names them.
         """
+        self._wait_all(closing=False)
+
+    def _wait_all(self, closing: bool) -> None:
         with self._lock:
             lanes = list(self._lanes.values())
         for lane in lanes:
             lane.queue.join()
         self._send_timing()
-        self._flush_registrations()
+        try:
+            self._flush_registrations()
+        except BaseException as e:
+            # Raised first, but the saves that failed meanwhile must not go unseen: named on it,
+            # and kept for the next wait_all unless there is none (close).
+            with self._lock:
+                failed = self._errors
+                if closing:
+                    self._errors = []
+            for err in failed:
+                later = "" if closing else " (the next wait_all() raises it)"
+                add_note(e, f"a save failed too{later}: {err}")
+            raise
         with self._lock:
             errors, self._errors = self._errors, []
         if not errors:
@@ -270,7 +285,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""
         self._close_registrations()  # first: none can slip in after the wait
         try:
-            self.wait_all()
+            self._wait_all(closing=True)
         finally:
             self._closed.set()
             with self._lock:
@@ -293,11 +308,12 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
 
     def _drain(self) -> None:
         try:
-            self.wait_all()
+            self._wait_all(closing=True)
         except CheckpointSaveError as e:
             log.error("a checkpoint save failed before exit: %s", e)
         except Exception as e:  # a registration sent with wait=False: at exit, nobody to raise it to
-            log.error("a checkpoint registration failed before exit: %s: %s", type(e).__name__, e)
+            notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+            log.error("a checkpoint registration failed before exit: %s: %s%s", type(e).__name__, e, notes)
 
     # -- one unit ------------------------------------------------------------------------------
 

@@ -22,16 +22,13 @@ queued behind it by then share one more timeout, rather than one each: a stopped
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
 
-from ckptd.errors import CheckpointError, CheckpointTimeoutError
-
-log = logging.getLogger("ckptd.coordinator")
+from ckptd.errors import CheckpointError, CheckpointTimeoutError, add_note
 
 
 class Registrar:
@@ -84,14 +81,15 @@ class Registrar:
 
     def flush(self) -> None:
         """Wait until every queued registration was applied or failed; raise the first failure
-        not yet raised (each is raised once; later ones are logged)."""
+        not yet raised, with a note for each later one (each is raised once)."""
         self._queue.join()
         with self._cond:
             errors, self._errors = self._errors, []
         if not errors:
             return
         for extra in errors[1:]:
-            log.error("a registration sent in the background also failed: %s", extra)
+            add_note(errors[0], f"a later registration sent in the background failed too: "
+                                f"{type(extra).__name__}: {extra}")
         raise errors[0]
 
     def close(self) -> None:

@@ -70,6 +70,36 @@ def test_a_refused_background_registration_is_raised_once_by_wait_all(make_monit
     coord.close()
 
 
+def _fails() -> None:
+    raise OSError("disk full")
+
+
+def test_failures_beside_a_refused_background_registration_are_named_on_it(make_monitor, tmp_path):
+    """Only one exception can be raised: the others that failed meanwhile (a later background
+    registration, saves) are notes on it, so none is reported nowhere, close() included."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.save_async("model", lambda: write_step_file(root, 1, "model.bin"), 1)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=60)
+    for closing in (False, True):
+        coord.register(1, checkpoint_thread_count=1, wait=False)  # both refused: 1 is committed
+        coord.register(1, checkpoint_thread_count=2, wait=False)
+        coord.save_async("optim", _fails, 2)
+        with pytest.raises(ckptd.RegistrationConflictError) as raised:
+            coord.close() if closing else coord.wait_all()
+        notes = raised.value.__notes__
+        assert len(notes) == 2, notes
+        assert "later registration" in notes[0] and "RegistrationConflictError" in notes[0]
+        assert "a save failed too" in notes[1] and "step 2" in notes[1] and "disk full" in notes[1]
+        if not closing:  # kept for the next wait_all, which raises it, once
+            assert "next wait_all" in notes[1]
+            with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+                coord.wait_all()
+            coord.wait_all()
+
+
 def test_wait_false_returns_while_the_monitor_is_unreachable(make_monitor, tmp_path):
     """A blocking register would raise here once its retries ran out; wait=False returns, and
     wait_all raises what the background thread got."""

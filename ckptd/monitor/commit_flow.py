@@ -21,8 +21,8 @@ from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
 
-RETRY_BASE_S = 0.05  # storage retries of the commit path: the first delay, and the longest
-MAX_RETRY_S = 5.0
+_RETRY_BASE_S = 0.05  # storage retries of the commit path: the first delay, and the longest
+_MAX_RETRY_S = 5.0
 _NOT_RETRIED = (CommitCheckError, Deferred, FencedError)
 
 
@@ -120,11 +120,8 @@ class CommitFlow:
                 break
             except Exception as e:
                 tries += 1
-                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
-                log.error("could not record the failure of step %d (%s): %s: %s; retry %d in %.2f s (the failure "
-                          "is reported once it is recorded)", rec.step, kind.value, type(e).__name__, e, tries, delay)
-                self._metrics.inc(RETRIED_REQUESTS, request="failure_record")
-                await asyncio.sleep(delay)
+                await self._back_off(tries, "failure_record", e, f"could not record the failure of step {rec.step} "
+                                     f"({kind.value}); it is reported once it is recorded")
         if kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
@@ -239,6 +236,15 @@ class CommitFlow:
         self._ledger.prune(self._opts.status_history, self._failure_unsettled)
         self._retention.schedule()
 
+    async def _back_off(self, failed: int, request: str, error: Exception, what: str) -> None:
+        """After ``failed`` failed tries of a storage request that is retried until it succeeds:
+        log it, count it (``request`` labels the retry) and wait before the next try. The caller
+        counts its tries itself, before this wait, so that the count is current while it waits."""
+        delay = min(_RETRY_BASE_S * 2**failed, _MAX_RETRY_S)
+        log.error("%s: %s: %s; retry %d in %.2f s", what, type(error).__name__, error, failed, delay)
+        self._metrics.inc(RETRIED_REQUESTS, request=request)
+        await asyncio.sleep(delay)
+
     async def _retrying(self, request: str, fn, *args) -> Any:
         """``fn(*args)`` in the I/O pool, retried with backoff; ``request`` labels the retries."""
         for attempt in range(self._opts.commit_retries + 1):
@@ -251,7 +257,7 @@ class CommitFlow:
                     raise
                 log.warning("%s failed (%s: %s); retrying", fn.__name__, type(e).__name__, e)
                 self._metrics.inc(RETRIED_REQUESTS, request=request)
-                await asyncio.sleep(RETRY_BASE_S * 2**attempt)
+                await asyncio.sleep(_RETRY_BASE_S * 2**attempt)
 
     async def _advance_trackers(self, step: int, kind: Kind) -> None:
         # A full checkpoint holds the weights too, so it also advances the state-dict tracker.
@@ -310,11 +316,7 @@ class CommitFlow:
                 break
             except Exception as e:
                 tries += 1
-                delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
-                log.error("could not withdraw the state dict of step %d: %s: %s; retry %d in %.2f s", rec.step,
-                          type(e).__name__, e, tries, delay)
-                self._metrics.inc(RETRIED_REQUESTS, request="revoke")
-                await asyncio.sleep(delay)
+                await self._back_off(tries, "revoke", e, f"could not withdraw the state dict of step {rec.step}")
         rec[SD].withdrawing = False
         self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)

@@ -11,8 +11,7 @@ from typing import Any
 from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
 from ckptd.manifest import FileEntry, Manifest
-from ckptd.metrics import FAILED_UNITS, RETRIED_REQUESTS
-from ckptd.monitor.commit_flow import MAX_RETRY_S, RETRY_BASE_S
+from ckptd.metrics import FAILED_UNITS
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 from ckptd.protocol import UnitFailure, UnitId
 
@@ -254,11 +253,8 @@ class UnitReports:
                     return await self._in_thread(self._committer.differs, rec.step, listed)
                 except Exception as e:
                     tries += 1
-                    delay = min(RETRY_BASE_S * 2**tries, MAX_RETRY_S)
-                    log.error("step %d: could not check its committed state dict against storage: %s: %s; retry %d "
-                              "in %.2f s", rec.step, type(e).__name__, e, tries, delay)
-                    self._metrics.inc(RETRIED_REQUESTS, request="check")
-                    await asyncio.sleep(delay)
+                    await self._back_off(tries, "check", e, f"step {rec.step}: could not check its committed state "
+                                         "dict against storage")
         finally:
             rec[SD].checks -= 1
 

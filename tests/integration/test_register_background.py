@@ -44,13 +44,19 @@ def test_background_registrations_add_up_and_the_step_commits_whole(make_monitor
         coord.register(5, checkpoint_thread_count=1, wait=False)
 
 
-def test_a_refused_background_registration_is_raised_once_by_wait_all(make_monitor, tmp_path):
+def _step_1_committed(make_monitor, tmp_path):
+    """A monitor, and a coordinator whose step 1 is committed (so that adding to it is refused)."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     coord.save_async("model", lambda: write_step_file(root, 1, "model.bin"), 1)
     coord.register(1, checkpoint_thread_count=1)
     coord.wait_committed(1, timeout_s=60)
+    return root, monitor, coord
+
+
+def test_a_refused_background_registration_is_raised_once_by_wait_all(make_monitor, tmp_path):
+    root, monitor, coord = _step_1_committed(make_monitor, tmp_path)
     before = _manifest_files(root, 1)
     # Adding a unit to a committed checkpoint is refused; with wait=False the call returns and the
     # refusal comes with the next wait_all, once.
@@ -77,12 +83,7 @@ def _fails() -> None:
 def test_failures_beside_a_refused_background_registration_are_named_on_it(make_monitor, tmp_path):
     """Only one exception can be raised: the others that failed meanwhile (a later background
     registration, saves) are notes on it, so none is reported nowhere, close() included."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", lambda: write_step_file(root, 1, "model.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
-    coord.wait_committed(1, timeout_s=60)
+    root, monitor, coord = _step_1_committed(make_monitor, tmp_path)
     for closing in (False, True):
         coord.register(1, checkpoint_thread_count=1, wait=False)  # both refused: 1 is committed
         coord.register(1, checkpoint_thread_count=2, wait=False)

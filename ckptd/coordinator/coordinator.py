@@ -123,6 +123,9 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         self._staging = StagingArea(max_staged, f"ckptd-stage-{self._worker}", shared=writer == "process")
         self._writer = WriterProcess(self._worker) if writer == "process" else None
         self._lock = threading.Lock()
+        self._closing = False  # close() was called: no unit is queued any more
+        self._queueing = 0  # save calls between their closed check and their job in a lane
+        self._queued = threading.Condition(self._lock)
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
         self._last_saved: dict[Kind, int] = {}  # newest step each kind was asked to save
@@ -200,13 +203,20 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
 
     def _queue(self, unit: UnitId, save_fn: Callable[[], Any], finish: Callable[[], None] | None = None) -> None:
         with self._lock:
-            if self._closed.is_set():
-                raise CheckpointError("this CheckpointCoordinator is closed")
+            if self._closing:
+                raise CheckpointError("this CheckpointCoordinator is closed: close() was called, and a save "
+                                      "made after it would not be waited for; make saves before close()")
             lane = self._lanes.get(unit.name)
             if lane is None:
                 lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
-        # blocks while max_pending units are queued
-        lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier()))
+            self._queueing += 1
+        try:
+            # blocks while max_pending units are queued
+            lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier()))
+        finally:
+            with self._lock:
+                self._queueing -= 1
+                self._queued.notify_all()
         self._saw(unit)
 
     def _blocked(self, unit: UnitId, started: float, what: str) -> None:
@@ -284,6 +294,11 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
     def close(self) -> None:
         """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""
         self._close_registrations()  # first: none can slip in after the wait
+        with self._lock:
+            # Saves too, from any thread: a save queued once the wait below began would not be
+            # waited for (nor its failure raised), and one queued behind the lanes' end never runs.
+            self._closing = True
+            self._queued.wait_for(lambda: self._queueing == 0)
         try:
             self._wait_all(closing=True)
         finally:

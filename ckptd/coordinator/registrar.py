@@ -82,7 +82,17 @@ class Registrar:
     def flush(self) -> None:
         """Wait until every queued registration was applied or failed; raise the first failure
         not yet raised, with a note for each later one (each is raised once)."""
+        self.wait()
+        self.raise_failures()
+
+    def wait(self) -> None:
+        """Wait until every queued registration was applied or failed (raises nothing)."""
         self._queue.join()
+
+    def raise_failures(self) -> None:
+        """Raise the first failure not yet raised, with a note for each later one. Apart from
+        :meth:`wait` so that an asyncio caller waits in a thread and takes the failures on its
+        own: cancelled in its wait, it leaves them for the next call."""
         with self._cond:
             errors, self._errors = self._errors, []
         if not errors:

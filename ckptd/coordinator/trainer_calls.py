@@ -104,7 +104,10 @@ class TrainerCalls:
         """Async form of :meth:`register`; returns once the registration is durable."""
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
         if self._registrar is not None:
-            await asyncio.to_thread(self._registrar.flush)
+            # Only the wait goes to a thread: a failure taken there by a caller cancelled meanwhile
+            # (asyncio.wait_for, a shutdown) would be raised into a future nobody reads.
+            await asyncio.to_thread(self._registrar.wait)
+            self._registrar.raise_failures()
         _raise_for(await self._client.call_async("register", *args))
 
     def wait_committed(self, global_step: int, is_state_dict: bool = False, timeout_s: float | None = None) -> None:

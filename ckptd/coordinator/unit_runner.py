@@ -21,7 +21,7 @@ from ckptd.coordinator.lanes import Job
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from ckptd.fencing import check_fence
 from ckptd.layout import find_step_dir
-from ckptd.manifest import FileEntry
+from ckptd.manifest import FileEntry, WrittenFile
 from ckptd.metrics import UNIT_BYTES, UNIT_DURATION, WRITTEN_BYTES
 from ckptd.protocol import UnitFailure, UnitId
 from ckptd.storage import Storage
@@ -179,6 +179,13 @@ class UnitRunner:
         # Looked up after save_fn ran: with an epoch template, save_fn created the directory.
         step_path = self._step_path(unit.step, returned)
         if step_path is None:
+            if returned:  # it says it wrote files, and none is where the step's files go
+                first = returned[0].path if isinstance(returned[0], WrittenFile) else returned[0]
+                raise CheckpointConfigError(
+                    f"save_fn returned {len(returned)} paths (the first: {first!r}), but no directory of step "
+                    f"{unit.step} matching {self._template.template!r} exists under {self._storage.url}: write "
+                    "every file of a step under ckptd.step_dir(root, step, epoch=...) and return those paths"
+                )
             return [], returned is None
         if returned is not None:
             return describe_returned_files(self._storage, step_path, returned), False
@@ -187,7 +194,8 @@ class UnitRunner:
     def _step_path(self, step: int, returned: list | None) -> str | None:
         if returned and self._template.needs_epoch:
             path = step_path_of(self._storage, returned)
-            if path is not None:
+            # Only a directory of this step: one of another step is not where this unit's files go.
+            if path is not None and self._template.parse(path.rsplit("/", 1)[-1]) == step:
                 return path
         name = find_step_dir(self._storage, step, self._template)
         return None if name is None else self._storage.join(name)

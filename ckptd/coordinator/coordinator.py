@@ -259,9 +259,6 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
                 would have raised, or the monitor could not be reached). It is raised before
                 failed saves, which the next wait_all raises; a note on it names them.
         """
-        self._wait_all(closing=False)
-
-    def _wait_all(self, closing: bool) -> None:
         with self._lock:
             lanes = list(self._lanes.values())
         for lane in lanes:
@@ -270,15 +267,12 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         try:
             self._flush_registrations()
         except BaseException as e:
-            # Raised first, but the saves that failed meanwhile must not go unseen: named on it,
-            # and kept for the next wait_all unless there is none (close).
+            # Raised first, but the saves that failed meanwhile must not go unseen: named on it
+            # (close() raises nothing more), and kept for the next wait_all.
             with self._lock:
-                failed = self._errors
-                if closing:
-                    self._errors = []
+                failed = list(self._errors)
             for err in failed:
-                later = "" if closing else " (the next wait_all() raises it)"
-                add_note(e, f"a save failed too{later}: {err}")
+                add_note(e, f"a save failed too (the next wait_all() raises it): {err}")
             raise
         with self._lock:
             errors, self._errors = self._errors, []
@@ -300,7 +294,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             self._closing = True
             self._queued.wait_for(lambda: self._queueing == 0)
         try:
-            self._wait_all(closing=True)
+            self.wait_all()
         finally:
             self._closed.set()
             with self._lock:
@@ -323,7 +317,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
 
     def _drain(self) -> None:
         try:
-            self._wait_all(closing=True)
+            self.wait_all()
         except CheckpointSaveError as e:
             log.error("a checkpoint save failed before exit: %s", e)
         except Exception as e:  # a registration sent with wait=False: at exit, nobody to raise it to

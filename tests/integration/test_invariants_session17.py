@@ -206,7 +206,7 @@ def test_background_registrations_of_one_thread_are_applied_in_order(make_monito
 # -- 3. failures are raised once, never lost ---------------------------------------------------
 
 
-def test_two_background_failures_the_first_is_raised_once_and_the_second_logged(make_monitor, tmp_path, caplog):
+def test_two_background_failures_the_first_is_raised_once_and_the_second_named_on_it(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -215,10 +215,9 @@ def test_two_background_failures_the_first_is_raised_once_and_the_second_logged(
         coord.register(s, checkpoint_thread_count=1)
     coord.register(1, checkpoint_thread_count=1, wait=False)
     coord.register(2, checkpoint_thread_count=1, wait=False)
-    with caplog.at_level(logging.ERROR, logger="ckptd.coordinator"):
-        with pytest.raises(ckptd.RegistrationConflictError, match="step 1 "):
-            coord.wait_committed(2, timeout_s=10)  # a blocking call: raises, before its own question
-    assert any("step 2 " in r.getMessage() for r in caplog.records), "the second failure was lost"
+    with pytest.raises(ckptd.RegistrationConflictError, match="step 1 ") as raised:
+        coord.wait_committed(2, timeout_s=10)  # a blocking call: raises, before its own question
+    assert any("step 2 " in n for n in getattr(raised.value, "__notes__", [])), "the second failure was lost"
     coord.wait_all()  # each raised once
     coord.wait_committed(2, timeout_s=10)
     coord.close()
@@ -244,7 +243,8 @@ def test_a_background_failure_is_raised_by_close_and_the_thread_stops(make_monit
 
 def test_close_loses_no_save_failure_when_a_background_registration_also_failed(make_monitor, tmp_path, caplog):
     """close() raises the refused registration; the save that failed before it is not silently lost
-    (logged when it failed, and still raised by a wait_all), and the failed step never commits.
+    (logged when it failed, named on what close() raises, and still raised by a wait_all), and the
+    failed step never commits.
 
     The save fails once step 2's registration was applied: had it failed first, that registration
     would be answered with the save's failure (step 2 failed), a second error from the registrar."""
@@ -266,9 +266,10 @@ def test_close_loses_no_save_failure_when_a_background_registration_also_failed(
     wait_for(lambda: getattr(status(monitor).step(2), "expected", 0) == 1, what="step 2's registration")
     registered.set()
     with caplog.at_level(logging.ERROR, logger="ckptd"):
-        with pytest.raises(ckptd.RegistrationConflictError):
+        with pytest.raises(ckptd.RegistrationConflictError) as raised:
             coord.close()
     assert any("disk full" in r.getMessage() for r in caplog.records), "the failed save of step 2 was lost"
+    assert any("disk full" in n for n in raised.value.__notes__)
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_all()
     assert status(monitor).step(2).state.value == "failed" and ckptd.latest_step(root) == 1

@@ -48,6 +48,16 @@ class RelayUnavailable(CheckpointError):
     ``notify_timeout_s`` (it is held up by another batch, or died and none answered since)."""
 
 
+def _require_ray() -> None:
+    """Refuse a call once this process left Ray: Ray would start a new local cluster for it (its
+    auto-init), where the monitor is not, and an answer awaited there never comes."""
+    if not ray.is_initialized():
+        raise CheckpointError(
+            "Ray is not running in this process (ray.shutdown() was called while a save or a registration was "
+            "in flight), so the checkpoint monitor cannot be reached and the save does not count: call "
+            "coord.wait_all() or coord.close() before ray.shutdown()")
+
+
 class MonitorClient:
     """Calls the monitor, retrying while the actor restarts or is unreachable.
 
@@ -106,6 +116,7 @@ class MonitorClient:
         answer_by = until if until is not None else None if waits_s is None else deadline
         delay, retried = 0.1, False
         while True:
+            _require_ray()
             ref = getattr(self._handle, method).remote(*args)
             try:
                 if answer_by is None:
@@ -134,6 +145,7 @@ class MonitorClient:
                 return ray.get(ref, timeout=self._timeout_s)
             except GetTimeoutError:
                 pass
+            _require_ray()
             try:
                 ray.get(self._handle.ping.remote(), timeout=self._timeout_s)
             except GetTimeoutError:
@@ -162,6 +174,7 @@ class MonitorClient:
         deadline = time.monotonic() + self._timeout_s
         delay = 0.1
         while True:
+            _require_ray()
             ref = getattr(self._handle, method).remote(*args)
             try:
                 return await (asyncio.wait_for(ref, max(0.0, deadline - time.monotonic())) if bounded else ref)
@@ -211,6 +224,7 @@ class MonitorClient:
         monitor answers a repeated event as it answered the first. Giving up on the relay alone
         would leave the unit's fate to a batch nobody waits for (a "started" admitted after its
         unit gave up, with the "failed" that follows lost with a relay)."""
+        _require_ray()
         if self._relay is not None:
             try:
                 return self._relay.send(events)
@@ -222,6 +236,8 @@ class MonitorClient:
     def post_quietly(self, event: tuple) -> None:
         """Submit one notification without waiting for it or retrying it (observability data
         only: its loss costs a bar in ``ckptd timeline``, never a save)."""
+        if not ray.is_initialized():
+            return  # see _require_ray: nowhere to send it
         if self._relay is not None:
             self._relay.post([event])
         else:

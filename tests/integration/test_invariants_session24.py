@@ -39,6 +39,14 @@ What broke (each case below failed before its fix, in the same session):
   returns None, because ``close`` emptied ``_lanes``. Fixed: ``close()`` refuses saves before it
   waits, once the save calls already past that check have queued their units.
 
+Found while checking these fixes, and fixed:
+
+* ``ray.shutdown()`` while a save runs, then exit without ``close()``: the exit drain finishes the
+  save, and its report's call made Ray start a new local cluster (Ray's auto-init on a call made
+  after shutdown), where the monitor is not. A call awaited there (a registration in flight) could
+  spin for ever at exit. ``MonitorClient`` now refuses calls once Ray is not running, with a
+  ``CheckpointError`` that says to call ``wait_all()`` or ``close()`` before ``ray.shutdown()``.
+
 What held (by reading the code; these paths were not run as cases here):
 
 * save_fn raising BaseException subclasses (SystemExit, KeyboardInterrupt, a custom BaseException,
@@ -65,14 +73,19 @@ What held (by reading the code; these paths were not run as cases here):
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
+import ray
 
 import ckptd
 from ckptd.coordinator.registrar import Registrar
 from tests.integration.helpers import (
+    REPO,
     fail_checkpoint_unit,
     hold_registrar,
     in_thread,
@@ -185,3 +198,41 @@ def test_a_save_made_while_close_waits_is_refused(make_monitor, tmp_path):
     closer.join(DEADLINE_S)
     assert closing and closing[0][0] == "ok", f"close() hung or raised: {closing!r}"
     assert not ran.is_set()
+
+
+def test_a_save_in_flight_at_ray_shutdown_fails_at_exit_without_starting_a_new_ray(make_monitor, tmp_path, run_name):
+    """ray.shutdown() while a save runs, then exit: the exit drain finishes the save, whose report
+    cannot reach the monitor. Before, the report's call made Ray start a new local cluster (its
+    auto-init), where the monitor is not, and a call awaited there could spin for ever."""
+    root = str(tmp_path / "ckpt")
+    make_monitor(root)
+    script = textwrap.dedent(f"""
+        import threading, ray, ckptd
+        ray.init(address="auto", namespace={ray.get_runtime_context().namespace!r}, log_to_driver=False,
+                 configure_logging=False)
+        coord = ckptd.CheckpointCoordinator(ckptd.get_monitor({run_name!r}), worker_id="exiting")
+        coord.register(1, checkpoint_thread_count=1)
+        shut, started = threading.Event(), threading.Event()
+
+        def save():
+            started.set()
+            shut.wait()
+            open(coord.step_dir(1) + "/a.bin", "wb").close()
+
+        import os; os.makedirs(coord.step_dir(1), exist_ok=True)
+        coord.save_async("model", save, 1)
+        started.wait()
+        ray.shutdown()
+        shut.set()
+        print("returned", flush=True)
+    """)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=DEADLINE_S, env=env)
+    assert proc.returncode == 0 and "returned" in proc.stdout, proc.stderr[-3000:]
+    # No call went to a cluster Ray started anew ("... or it's from a different cluster").
+    assert "different cluster" not in proc.stderr, proc.stderr[-3000:]
+    assert "a checkpoint save failed before exit" in proc.stderr and "Ray is not running" in proc.stderr, (
+        proc.stderr[-3000:])
+    assert ckptd.latest_step(root) is None

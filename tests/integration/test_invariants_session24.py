@@ -66,8 +66,8 @@ What held (by reading the code; these paths were not run as cases here):
   reported once), and the errors are appended before ``task_done``, so a joined wait sees them.
 * The atexit drain logs by design. Two issues found by reading just before this attack were
   fixed beside it and are not attacked again here (``test_register_background.py``): a later
-  failed background registration was only logged, and ``close()`` after a failed registration
-  dropped the failed saves.
+  failed background registration was only logged, and ``close()`` raised a failed registration
+  without a word of the saves that had failed too (logged, and raised by a wait_all after close).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class RelayUnavailable(CheckpointError):
     ``notify_timeout_s`` (it is held up by another batch, or died and none answered since)."""
 
 
-def _require_ray() -> None:
+def require_ray() -> None:
     """Refuse a call once this process left Ray: Ray would start a new local cluster for it (its
     auto-init), where the monitor is not, and an answer awaited there never comes."""
     if not ray.is_initialized():
@@ -116,7 +116,7 @@ class MonitorClient:
         answer_by = until if until is not None else None if waits_s is None else deadline
         delay, retried = 0.1, False
         while True:
-            _require_ray()
+            require_ray()
             ref = getattr(self._handle, method).remote(*args)
             try:
                 if answer_by is None:
@@ -145,7 +145,7 @@ class MonitorClient:
                 return ray.get(ref, timeout=self._timeout_s)
             except GetTimeoutError:
                 pass
-            _require_ray()
+            require_ray()
             try:
                 ray.get(self._handle.ping.remote(), timeout=self._timeout_s)
             except GetTimeoutError:
@@ -174,7 +174,7 @@ class MonitorClient:
         deadline = time.monotonic() + self._timeout_s
         delay = 0.1
         while True:
-            _require_ray()
+            require_ray()
             ref = getattr(self._handle, method).remote(*args)
             try:
                 return await (asyncio.wait_for(ref, max(0.0, deadline - time.monotonic())) if bounded else ref)
@@ -224,7 +224,7 @@ class MonitorClient:
         monitor answers a repeated event as it answered the first. Giving up on the relay alone
         would leave the unit's fate to a batch nobody waits for (a "started" admitted after its
         unit gave up, with the "failed" that follows lost with a relay)."""
-        _require_ray()
+        require_ray()
         if self._relay is not None:
             try:
                 return self._relay.send(events)
@@ -237,9 +237,12 @@ class MonitorClient:
         """Submit one notification without waiting for it or retrying it (observability data
         only: its loss costs a bar in ``ckptd timeline``, never a save)."""
         if not ray.is_initialized():
-            return  # see _require_ray: nowhere to send it
+            return  # see require_ray: nowhere to send it
         if self._relay is not None:
-            self._relay.post([event])
+            try:
+                self._relay.post([event])
+            except CheckpointError:  # Ray shut down since the check: as above
+                return
         else:
             self._handle.notify_batch.remote([event])
 
@@ -254,6 +257,7 @@ class MonitorClient:
         """
         if self._run is None:
             return
+        require_ray()  # ray.shutdown() during the retries: get_actor would start a new Ray
         try:
             handle = ray.get_actor(actor_name(self._run), namespace=self._namespace)
         except ValueError:

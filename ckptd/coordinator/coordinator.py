@@ -8,6 +8,7 @@ unchanged.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import threading
@@ -122,9 +123,12 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         self._max_pending = max_pending
         self._staging = StagingArea(max_staged, f"ckptd-stage-{self._worker}", shared=writer == "process")
         self._writer = WriterProcess(self._worker) if writer == "process" else None
-        self._lock = threading.Lock()
+        # Reentrant: close() may run in a signal handler that interrupted this thread in a save call.
+        self._lock = threading.RLock()
         self._closing = False  # close() was called: no unit is queued any more
-        self._queueing = 0  # save calls between their closed check and their job in a lane
+        self._stopped = False  # close() told the save threads to end: a job queued now never runs
+        # Save calls between their closed check and their job in a lane, per thread.
+        self._queueing: collections.Counter[int] = collections.Counter()
         self._queued = threading.Condition(self._lock)
         self._lanes: dict[str, Lane] = {}
         self._errors: list[CheckpointSaveError] = []
@@ -209,14 +213,23 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             lane = self._lanes.get(unit.name)
             if lane is None:
                 lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
-            self._queueing += 1
+            me = threading.get_ident()
+            self._queueing[me] += 1
         try:
             # blocks while max_pending units are queued
             lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier()))
         finally:
             with self._lock:
-                self._queueing -= 1
+                self._queueing -= collections.Counter({me: 1})
                 self._queued.notify_all()
+                stopped = self._stopped
+        if stopped:
+            # Queued behind the lane's end: close() ran in this very thread while it waited for
+            # room (a signal handler), so close() could not wait for it. It never runs: say so.
+            if finish is not None:
+                finish()
+            raise CheckpointError(f"save {unit.label} of step {unit.step} was not run: close() was called while "
+                                  "it waited for room in its save thread's queue (from a signal handler?)")
         self._saw(unit)
 
     def _blocked(self, unit: UnitId, started: float, what: str) -> None:
@@ -288,17 +301,20 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
     def close(self) -> None:
         """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""
         self._close_registrations()  # first: none can slip in after the wait
+        me = threading.get_ident()
         with self._lock:
             # Saves too, from any thread: a save queued once the wait below began would not be
             # waited for (nor its failure raised), and one queued behind the lanes' end never runs.
+            # Not this thread's: a signal handler's close() cannot wait for the call it interrupted.
             self._closing = True
-            self._queued.wait_for(lambda: self._queueing == 0)
+            self._queued.wait_for(lambda: not any(n for t, n in self._queueing.items() if t != me))
         try:
             self.wait_all()
         finally:
             self._closed.set()
             with self._lock:
                 lanes, self._lanes = list(self._lanes.values()), {}
+                self._stopped = True
             for lane in lanes:
                 lane.queue.put(None)
             if self._writer is not None:

@@ -36,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ckptd import failpoints
-from ckptd.coordinator.client import MonitorClient, RelayUnavailable
+from ckptd.coordinator.client import MonitorClient, RelayUnavailable, require_ray
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import relay_name
 
@@ -208,6 +208,7 @@ class _Route:
     def handle(self) -> Any:
         with self._lock:
             if self._handle is None:
+                require_ray()  # starting a relay after ray.shutdown() would start a new Ray
                 self._handle = self._start()
             return self._handle
 

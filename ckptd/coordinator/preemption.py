@@ -285,6 +285,7 @@ class PreemptionGuard:
                 self._coord.wait_all()
             except CheckpointError as e:
                 failures.append(str(e))  # an earlier step's failure; the final step's shows in wait_committed
+                failures.extend(getattr(e, "__notes__", ()))  # the failures beside it (a failed save, say)
 
         waiter = threading.Thread(target=wait, name="ckptd-preemption-wait", daemon=True)
         waiter.start()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import ckptd
 from ckptd.workers.fsdp_job import free_port
 
-from .helpers import Signal, status, wait_for
+from .helpers import Signal, status, wait_for, write_step_file
 from .preempt_job import build
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -237,6 +237,32 @@ def test_a_stuck_final_save_returns_the_incomplete_outcome_at_the_deadline(rank0
     assert not status(monitor).step(7).committed
     save.open()  # let the save end, so that the coordinator can close
     coord.wait_committed(7, timeout_s=60)
+
+
+def _disk_full() -> None:
+    raise OSError("disk full")
+
+
+def test_the_outcome_names_every_earlier_failure_not_only_the_one_wait_all_raised(rank0):
+    """A background registration refused (its step had failed) and a save that failed too: wait_all
+    raises the first and names the other in a note; the outcome carries both."""
+    monitor, coord, root, _ = rank0
+
+    def save(step: int) -> None:  # registers in the background too: the failures reach wait_all
+        coord.save_async("model", lambda: write_step_file(root, step, "model.bin"), step)
+        coord.register(step, checkpoint_thread_count=1, wait=False)
+
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.save_sync(_disk_full, 20)
+    coord.register(20, checkpoint_thread_count=1, wait=False)  # refused: step 20 failed
+    coord.save_async("optim", _disk_full, 21)
+    with ckptd.PreemptionGuard(coord, save, exit=False, watch_ray_drain=False, wait_for_mirror=False) as guard:
+        guard.notify("test")
+        outcome = guard.at_step_boundary(22)
+    assert outcome.committed and outcome.complete
+    assert "step 20" in outcome.error and "step 21" in outcome.error and "disk full" in outcome.error, outcome.error
+    with pytest.raises(ckptd.CheckpointSaveError, match="step 21"):  # kept, as wait_all keeps it
+        coord.wait_all()
 
 
 def test_bad_arguments_and_signal_handlers_off_the_main_thread_are_refused(rank0):

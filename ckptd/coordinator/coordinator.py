@@ -38,6 +38,8 @@ from ckptd.units import check_count, check_name, check_step
 
 log = logging.getLogger("ckptd.coordinator")
 
+_CLOSED = ("this CheckpointCoordinator is closed: close() was called, and a save made after it would not be "
+           "waited for; make saves before close()")
 _live: weakref.WeakSet[CheckpointCoordinator] = weakref.WeakSet()
 
 
@@ -208,8 +210,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
     def _queue(self, unit: UnitId, save_fn: Callable[[], Any], finish: Callable[[], None] | None = None) -> None:
         with self._lock:
             if self._closing:
-                raise CheckpointError("this CheckpointCoordinator is closed: close() was called, and a save "
-                                      "made after it would not be waited for; make saves before close()")
+                raise CheckpointError(_CLOSED)
             lane = self._lanes.get(unit.name)
             if lane is None:
                 lane = self._lanes[unit.name] = Lane(unit.name, self._run_job, self._max_pending)
@@ -244,11 +245,15 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
 
         Raises:
             CheckpointSaveError: ``save_fn`` raised; the original exception is chained.
+            CheckpointError: :meth:`close` was called; nothing was started.
         """
         started = time.time()
         unit = self._unit("sync", global_step, is_state_dict)
         if not callable(save_fn):
             raise CheckpointConfigError(f"save_fn must be callable, got {type(save_fn).__name__}")
+        with self._lock:
+            if self._closing:  # as save_async: the writer-slot lease is no longer renewed, for one
+                raise CheckpointError(_CLOSED)
         self._saw(unit)
         try:
             err = self._runner.run(Job(unit, save_fn, registered=self._registration_barrier()),

@@ -193,10 +193,14 @@ def test_a_save_made_while_close_waits_is_refused(make_monitor, tmp_path):
         wait_for(lambda: flushing(coord._registrar), timeout_s=DEADLINE_S, what="close() to wait for the registrar")
         with pytest.raises(ckptd.CheckpointError, match="close"):
             coord.save_async("late", ran.set, 9)
+        with pytest.raises(ckptd.CheckpointError, match="close"):  # save_sync too
+            coord.save_sync(ran.set, 9)
     finally:
         release()
     closer.join(DEADLINE_S)
     assert closing and closing[0][0] == "ok", f"close() hung or raised: {closing!r}"
+    with pytest.raises(ckptd.CheckpointError, match="close"):  # and after close() returned
+        coord.save_sync(ran.set, 9)
     assert not ran.is_set()
 
 

@@ -47,10 +47,11 @@ What held:
   ``before_update`` to finish, so ``close()`` without one does not hang; ``close()`` twice or from
   two threads joins the same lanes and raises each failure once; a save_fn that queues a save of
   another name after ``close()`` began fails its own unit, which ``close()`` raises. (By reading.)
-* ``save_sync`` is not refused after ``close()`` (it does not go through ``_queue``); it runs on
-  the caller's thread and raises its own failure, so no failure goes unraised. Note only: with a
-  writer-slot strategy the slot heartbeat has stopped by then (``closed`` is set), so such a save
-  holds its slot unrenewed.
+* ``save_sync`` was not refused after ``close()`` (it does not go through ``_queue``); it ran on
+  the caller's thread and raised its own failure, so no failure went unraised, but with a
+  writer-slot strategy its slot was no longer renewed (the heartbeat had stopped). Since this
+  attack, it is refused from the moment ``close()`` is called, as ``save_async`` is
+  (``test_a_save_made_while_close_waits_is_refused``).
 * ``Registrar.wait`` / ``raise_failures``: each failure is taken out under ``_cond`` once and
   raised once, later ones as notes; ``register_and_monitor`` still sends its registration only
   after every earlier background one was applied (the wait is the same ``queue.join``), and a

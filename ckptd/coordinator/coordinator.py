@@ -218,7 +218,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             self._queueing[me] += 1
         try:
             # blocks while max_pending units are queued
-            lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier()))
+            lane.queue.put(Job(unit, save_fn, finish, self._registration_barrier(unit.step)))
         finally:
             with self._lock:
                 self._queueing -= collections.Counter({me: 1})
@@ -256,7 +256,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
                 raise CheckpointError(_CLOSED)
         self._saw(unit)
         try:
-            err = self._runner.run(Job(unit, save_fn, registered=self._registration_barrier()),
+            err = self._runner.run(Job(unit, save_fn, registered=self._registration_barrier(unit.step)),
                                    reraise_interrupts=True)
         finally:
             self._blocked(unit, started, "save_sync")

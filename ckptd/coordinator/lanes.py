@@ -23,7 +23,8 @@ class Job:
     #: Returns once the registrations this coordinator made before the save call (with
     #: ``wait=False``) were applied: the unit writes its finished receipt only after (with writer
     #: slots, it starts only after), so that a step never commits on the counts of fewer
-    #: registrations than were made before its units.
+    #: registrations than were made before its units. It raises if one of them, of the unit's
+    #: step, went unanswered (it may still be applied): the unit then fails.
     registered: Callable[[], None] | None = None
 
 

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from ray.exceptions import RayActorError
+
 from ckptd.errors import CheckpointError, CheckpointTimeoutError, add_note
 
 
@@ -49,6 +51,7 @@ class Registrar:
         self._submitted = 0  # registrations queued so far
         self._done = 0  # of those, applied or failed
         self._errors: list[BaseException] = []
+        self._uncertain: list[tuple[int, int]] = []  # (position, step) of registrations that went unanswered
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -65,19 +68,35 @@ class Registrar:
             self._submitted += 1
             self._queue.put(args)
 
-    def barrier(self) -> Callable[[], None] | None:
-        """What a save unit started now calls before it reports itself finished: it returns once
-        every registration queued before this call was applied or failed. None when there is
-        nothing to wait for."""
+    def barrier(self, step: int) -> Callable[[], None] | None:
+        """What a save unit of ``step`` started now calls before it reports itself finished: it
+        returns once every registration queued before this call was applied or failed. None when
+        there is nothing to wait for.
+
+        It raises :class:`CheckpointError` if one of those registrations, of the unit's step, went
+        unanswered (a timeout, an unreachable monitor): Ray may still deliver it, after a monitor
+        restart say, so the step's count is not known. Had the unit reported itself finished, a
+        restarted monitor could count it against the registrations that arrived first and commit
+        the step short of the rest."""
         with self._cond:
             ticket = self._submitted
-            if self._done >= ticket:
+            if self._done >= ticket and not self._unanswered(step, ticket):
                 return None
-        return partial(self._wait_done, ticket)
+        return partial(self._wait_done, ticket, step)
 
-    def _wait_done(self, ticket: int) -> None:
+    def _unanswered(self, step: int, ticket: int) -> bool:
+        return any(seq <= ticket and s == step for seq, s in self._uncertain)
+
+    def _wait_done(self, ticket: int, step: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._done >= ticket)
+            unanswered = self._unanswered(step, ticket)
+        if unanswered:
+            raise CheckpointError(
+                f"a registration of step {step} made before this save went unanswered (the monitor did not answer "
+                "in notify_timeout_s, or could not be reached) and may still be applied, so the step's number of "
+                "units is not known: this unit is not reported finished, and the step fails rather than commit "
+                "with fewer units than registered. Save the step again once the monitor answers")
 
     def flush(self) -> None:
         """Wait until every queued registration was applied or failed; raise the first failure
@@ -127,6 +146,8 @@ class Registrar:
                         shared = (self._submitted, time.monotonic() + self._timeout_s)
                 with self._cond:
                     self._errors.append(e)
+                    if isinstance(e, (CheckpointTimeoutError, RayActorError)):  # not an answer: may still apply
+                        self._uncertain.append((sent, args[0]))
             finally:
                 if args is not None:
                     with self._cond:

@@ -75,11 +75,11 @@ class TrainerCalls:
                     f"ckptd-register-{self._worker}", self._client.timeout_s)
             return self._registrar
 
-    def _registration_barrier(self) -> Callable[[], None] | None:
-        """For a save unit started now: waits for the registrations made before it (see
-        :mod:`ckptd.coordinator.registrar`), or None if there are none in flight."""
+    def _registration_barrier(self, step: int) -> Callable[[], None] | None:
+        """For a save unit of ``step`` started now: waits for the registrations made before it
+        (see :mod:`ckptd.coordinator.registrar`), or None if there are none in flight."""
         registrar = self._registrar
-        return None if registrar is None else registrar.barrier()
+        return None if registrar is None else registrar.barrier(step)
 
     def _close_registrations(self) -> None:
         """Refuse registrations with ``wait=False`` from now on; the queued ones still go."""

@@ -80,8 +80,11 @@ class UnitRunner:
         # writers); without, it writes meanwhile (its staging buffers go back when the write
         # ends) and waits just before the receipt.
         registered_first = job.registered is not None and self._strategy is not SaveStrategy.UNRESTRICTED
-        if registered_first:
-            job.registered()
+        try:
+            if registered_first:
+                job.registered()  # raises if one of them went unanswered: the unit fails
+        except Exception as e:
+            return self._report_failure(unit, e, span)
         try:
             self._start(unit, slot)
         except _Refused as e:

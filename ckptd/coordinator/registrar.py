@@ -96,7 +96,8 @@ class Registrar:
                 f"a registration of step {step} made before this save went unanswered (the monitor did not answer "
                 "in notify_timeout_s, or could not be reached) and may still be applied, so the step's number of "
                 "units is not known: this unit is not reported finished, and the step fails rather than commit "
-                "with fewer units than registered. Save the step again once the monitor answers")
+                "with fewer units than registered. Save into a new step once the monitor answers (this coordinator "
+                "fails every later unit of this step)")
 
     def flush(self) -> None:
         """Wait until every queued registration was applied or failed; raise the first failure

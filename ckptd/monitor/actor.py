@@ -123,11 +123,13 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),
-                                          self._readers, self._metrics, self._fence_failed_leftovers)
+                                          self._readers, self._metrics, self._fence_failed_leftovers,
+                                          partial(check_fence, self._storage, attempt))
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,
-                                  self._retention.schedule, self._recorder.upload, self._metrics)
+                                  self._retention.schedule, self._recorder.upload, self._metrics,
+                                  partial(check_fence, self._storage, attempt))
             self._spawn(self._mirror.run())
         self._spawn(self._housekeeping())
         # Steps that timed out while no monitor ran (or before the last one recorded it) fail

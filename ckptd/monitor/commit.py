@@ -78,6 +78,10 @@ class CommitPlan:
         registered: Kind -> the registered unit count, recorded in the manifest.
         registrations: The ids of the registrations counted (a retried one is recognised after
             the commit).
+        published: Kind -> the manifest this plan has published already. A commit of both
+            kinds that fails after the state dict's manifest is visible leaves it here: a retry
+            publishes only the rest, and a commit that fails for good still counts these kinds
+            as committed (readers may have taken them), failing only the others.
     """
 
     step: int
@@ -89,6 +93,7 @@ class CommitPlan:
     found: set[str] = field(default_factory=set)
     registered: dict[Kind, int] = field(default_factory=dict)
     registrations: list[str] = field(default_factory=list)
+    published: dict[Kind, Manifest] = field(default_factory=dict)
 
 
 def _same(entry: FileEntry, st: FileStat) -> bool:
@@ -123,7 +128,9 @@ class Committer:
         step_path = self.storage.join(name)
         committed: dict[str, FileEntry] = {}  # what the step's earlier manifests list
         for kind in Kind:
-            text = None if kind in plan.kinds else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
+            # A manifest this plan published in an earlier try is committed now, like any other.
+            unpublished = kind in plan.kinds and kind not in plan.published
+            text = None if unpublished else self.storage.read_text_or_none(f"{step_path}/{MANIFESTS[kind]}")
             if text is not None:
                 committed.update({f.path: f for f in Manifest.model_validate_json(text).files})
         links: list[str] = []
@@ -168,6 +175,9 @@ class Committer:
         outside = self._checksum_unclaimed(step_path, unclaimed, on_storage)
         manifests = {}
         for kind in plan.kinds:
+            if kind in plan.published:
+                manifests[kind] = plan.published[kind]
+                continue
             if kind is Kind.STATE_DICT:
                 files = [e for e, unit in claimed.values() if unit in plan.sd_units]
                 files += outside.values()
@@ -182,7 +192,7 @@ class Committer:
             manifest = build_manifest(plan.step, kind, units, files, attempt=self.attempt,
                                       registered=plan.registered.get(kind), registrations=plan.registrations)
             self._publish(f"{step_path}/{MANIFESTS[kind]}", manifest.to_bytes(), None)
-            manifests[kind] = manifest
+            manifests[kind] = plan.published[kind] = manifest
         return manifests
 
     def _check_reports(self, plan: CommitPlan, step_path: str,

@@ -94,6 +94,18 @@ class CommitFlow:
         failpoints.hit("before_failure_record")
         protocol.write_step_failure(self._storage, self._attempt, step, kind, reason)
 
+    async def _write_failure_durably(self, step: int, kind: Kind, reason: str) -> None:
+        """Write the failure record of ``step``'s ``kind``, retried however long that takes."""
+        tries = 0
+        while True:
+            try:
+                await self._in_thread(self._write_failure, step, kind, reason)
+                return
+            except Exception as e:
+                tries += 1
+                await self._back_off(tries, "failure_record", e, f"could not record the failure of step {step} "
+                                     f"({kind.value}); it is reported once it is recorded")
+
     async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
         key = (rec.step, kind)
         self._failures_recorded.add(key)  # before the await: one record per failure
@@ -110,18 +122,10 @@ class CommitFlow:
     async def _record_and_check(self, rec: StepRecord, kind: Kind, key: tuple[int, Kind],
                                 written: asyncio.Event) -> None:
         reason = rec[kind].reason or "failed"
-        tries = 0
-        while True:
-            # Nobody is told of the failure before it is recorded, however long that takes: a
-            # monitor restarted before then rebuilds the step from its units' receipts and, with
-            # every unit finished, would commit a step its callers had been told had failed.
-            try:
-                await self._in_thread(self._write_failure, rec.step, kind, reason)
-                break
-            except Exception as e:
-                tries += 1
-                await self._back_off(tries, "failure_record", e, f"could not record the failure of step {rec.step} "
-                                     f"({kind.value}); it is reported once it is recorded")
+        # Nobody is told of the failure before it is recorded: a monitor restarted before then
+        # rebuilds the step from its units' receipts and, with every unit finished, would commit
+        # a step its callers had been told had failed.
+        await self._write_failure_durably(rec.step, kind, reason)
         if kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
@@ -186,7 +190,7 @@ class CommitFlow:
         plan = self._plan(rec, kinds)
         t0 = time.perf_counter()
         try:
-            manifests = await self._retrying("commit", self._committer.commit, plan)
+            await self._retrying("commit", self._committer.commit, plan)  # fills plan.published
         except Deferred:
             log.info("step %d: state dict commit waits for the checkpoint units writing beside it", rec.step)
             self._ledger.defer(rec, SD)
@@ -197,15 +201,29 @@ class CommitFlow:
             tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
             reason = f"commit failed{tries}: {type(e).__name__}: {e}"
             for kind in kinds:
-                self._ledger.fail_kind(rec, kind, reason, force=True)
-                self._metrics.inc(FAILED_COMMITS, kind=kind)
+                if kind not in plan.published:
+                    self._ledger.fail_kind(rec, kind, reason, force=True)
+                    self._metrics.inc(FAILED_COMMITS, kind=kind)
+            if plan.published:
+                # The state dict's manifest went out before the checkpoint's failed: it is on
+                # storage, readers may have taken it, and it verifies. It is committed; only the
+                # full checkpoint failed (whose failure checks that state dict again).
+                log.error("step %d: %s; its state dict committed before that", rec.step, reason)
+                await self._committed(rec, [k for k in kinds if k in plan.published], plan, times, t0)
             if isinstance(e, CommitCheckError) and e.committed_changed and self._ledger.is_committed(rec.step, SD):
                 await self._revoke_state_dict(rec, reason)
             return
-        # The manifest makes the step committed for readers; the trackers only point at it. A
-        # tracker that cannot be advanced does not uncommit the step (the next commit, or the
-        # next start-up, moves it forward). Waiters are released only after both, so that
-        # latest_step() agrees with wait_committed().
+        await self._committed(rec, kinds, plan, times, t0)
+
+    async def _committed(self, rec: StepRecord, kinds: list[Kind], plan: CommitPlan, times: dict[str, float],
+                         t0: float) -> None:
+        """The manifests of ``kinds`` are published (``plan.published``): trackers, then waiters.
+
+        The manifest makes the step committed for readers; the trackers only point at it. A
+        tracker that cannot be advanced does not uncommit the step (the next commit, or the next
+        start-up, moves it forward). Waiters are released only after both, so that latest_step()
+        agrees with wait_committed()."""
+        manifests = plan.published
         t1 = time.perf_counter()
         times[phases.COMMIT] = t1 - t0
         try:
@@ -301,8 +319,14 @@ class CommitFlow:
         then the manifest (and a tracker naming the step) claims files that are no longer there.
         A fenced monitor stops: it publishes nothing any more, and the newer job's monitor checks
         what it finds when it starts."""
-        tries = 0
         rec[SD].withdrawing = True  # retention must not count it among the state dicts it keeps
+        # The failure is recorded before the manifest goes. A monitor that died between the two
+        # would otherwise find no manifest, no failure and every unit of the step finished (the
+        # one that replaced the file too), and commit it again over the replaced bytes. Recorded
+        # first, a restart finds the state dict failed (its full checkpoint with it), or, with the
+        # manifest still there, withdraws it again at start-up (``startup._resume``).
+        await self._write_failure_durably(rec.step, SD, reason)
+        tries = 0
         while True:
             try:
                 async with self._tracker_lock:

@@ -33,6 +33,7 @@ from typing import Any
 from ckptd import failpoints
 from ckptd.config import Kind, MirrorOptions
 from ckptd.errors import CheckpointError
+from ckptd.fencing import FencedError
 from ckptd.layout import MANIFESTS, TRACKERS, StepEntry, is_committed, manifests_of, newest_committed, scan_steps
 from ckptd.manifest import FileEntry, crc32_file
 from ckptd.metrics import RETENTION_DELETIONS, RETRIED_REQUESTS, RunMetrics
@@ -85,12 +86,17 @@ class Mirror:
         on_upload: Called on the event loop after each upload attempt with ``(step, start, end,
             error, detail)`` (for the timeline); it must not raise.
         metrics: Where retried requests and retention deletions are counted.
+        check_fence: Raises FencedError once a newer attempt owns the root: called before a
+            step's manifests go up and before retention on the mirror. A fenced mirror uploads
+            and deletes nothing more (the newer job's monitor mirrors the root now).
     """
 
     def __init__(self, local: Storage, remote: Storage, opts: MirrorOptions, template: StepDirTemplate,
                  local_committed: dict[int, frozenset[Kind]], on_change: Callable[[], None],
                  on_upload: Callable[[int, float, float, str | None, str], None] | None = None,
-                 metrics: RunMetrics | None = None) -> None:
+                 metrics: RunMetrics | None = None, check_fence: Callable[[], None] | None = None) -> None:
+        self._check_fence = check_fence or (lambda: None)
+        self._fenced: str | None = None
         self._metrics = metrics or RunMetrics(None)
         self._local = local
         self.remote = remote
@@ -161,6 +167,8 @@ class Mirror:
                 return {"mirrored": True, "error": None}
             if rec is not None and rec.state == MirrorState.ABANDONED:
                 return {"mirrored": False, "error": rec.error}
+            if self._fenced is not None:
+                return {"mirrored": False, "error": f"not mirrored: {self._fenced}"}
             if rec is None and self._ready and step not in self._queue:
                 kind = min(self._kinds, key=lambda k: k.value)  # checkpoint, unless only state dicts
                 if await self._io(is_committed, self.remote, step, kind):  # mirrored by an earlier monitor
@@ -208,7 +216,7 @@ class Mirror:
         self._startup_local = {}
         self._ready = True
         self._on_change()
-        while True:
+        while self._fenced is None:
             step = self._next_due()
             if step is None:
                 self._wake.clear()
@@ -233,6 +241,7 @@ class Mirror:
         self._queue.discard(step)
         started = time.time()
         try:
+            await self._io(self._check_fence)  # and again before the manifests
             name, manifests, files = await self._io(self._read_local, step)
             results = await asyncio.gather(
                 *(self._io(self._copy_file, name, rel, entry, rec) for rel, entry in sorted(files.items())),
@@ -242,13 +251,18 @@ class Mirror:
             if errors:
                 raise next((e for e in errors if isinstance(e, LocalCopyError)), errors[0])
             await self._io(failpoints.hit, "before_mirror_manifest")
+            await self._io(self._check_fence)
             for kind, data in manifests.items():  # the manifest makes the step committed on the mirror
                 await self._io(self._retrying, f"manifest of step {step}", self.remote.write_atomic,
                                self.remote.join(name, MANIFESTS[kind]), data)
             await self._advance_trackers(step, set(manifests))
-        except LocalCopyError as e:
+        except (LocalCopyError, FencedError) as e:
             rec.state, rec.error = MirrorState.ABANDONED, f"not mirrored: {e}"
             log.error("step %d: %s", step, rec.error)
+            if isinstance(e, FencedError):
+                self._fenced = str(e)
+                for waiting in list(self._events):  # none will be mirrored by this monitor
+                    self._release_waiters(waiting)
             self._release_waiters(step)
         except Exception as e:
             rec.state, rec.error = MirrorState.FAILED, f"{type(e).__name__}: {e}"
@@ -399,9 +413,10 @@ class Mirror:
             self._retention_errors = [f"{type(e).__name__}: {e}"]
 
     def _retention_pass(self, protected: set[int]):
+        self._check_fence()
         entries = scan_steps(self.remote, self._template)
         # The mirror's only writer is this monitor: a step directory there without a manifest
         # that is not being uploaded is what a killed upload left, and can go at once.
         leftovers = {s for s, e in entries.items() if not e.committed} - protected
         plan = plan_retention(entries, self._policy, protected=protected, failed=leftovers)
-        return run_plan(self.remote, plan, grace_s=0.0)
+        return run_plan(self.remote, plan, grace_s=0.0, fence=self._check_fence)

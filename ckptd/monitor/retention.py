@@ -14,6 +14,9 @@ Rules:
   leftover of a failed or crashed save: deleted at once if the monitor knows the step failed,
   else once nothing in it has changed for a grace period (a save the monitor has not heard of,
   after a restart, may still be writing it).
+* Only the newest attempt of the root deletes anything (``check_fence`` before the scan and
+  before each deletion): a monitor of an older job plans from its own view of the root, and
+  would delete steps the newer job keeps (a step whose full checkpoint it is still saving).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
+from ckptd.fencing import FencedError
 from ckptd.layout import MANIFESTS, StepEntry, scan_steps
 from ckptd.metrics import RETENTION_DELETIONS, RunMetrics
 from ckptd.monitor.records import StepState
@@ -173,11 +177,13 @@ class PassResult:
 
 def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
              before_delete: Callable[[StepEntry], None] | None = None,
-             claim: Callable[[int], bool] | None = None, unclaim: Callable[[int], None] | None = None) -> PassResult:
+             claim: Callable[[int], bool] | None = None, unclaim: Callable[[int], None] | None = None,
+             fence: Callable[[], None] | None = None) -> PassResult:
     """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
     the step again in storage); it never stops the deletions after it. ``before_delete`` runs
     before each committed step is deleted. ``claim(step)`` is asked first for each committed
-    step: False keeps it (a reader holds it); ``unclaim(step)`` follows a claimed deletion."""
+    step: False keeps it (a reader holds it); ``unclaim(step)`` follows a claimed deletion.
+    ``fence()`` runs right before each deletion: the FencedError it raises ends the pass."""
     result = PassResult()
     todo = plan.delete + plan.leftovers_failed
     for entry in plan.leftovers_idle:
@@ -191,6 +197,8 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
         if claimed and not claim(entry.step):
             continue  # a reader pinned it since the plan was made: the next pass sees it again
         try:
+            if fence is not None:
+                fence()
             if before_delete is not None and entry.committed:
                 before_delete(entry)
             leftover = delete_step(storage, entry)
@@ -198,6 +206,8 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
             if leftover is not None:
                 log.warning("%s; retrying at the next pass", leftover)
                 result.errors.append(leftover)
+        except FencedError:
+            raise
         except Exception as e:  # best-effort clean-up: retried on the next pass
             msg = f"could not delete {entry.name}: {type(e).__name__}: {e}"
             log.warning("%s; retrying after the next commit", msg)
@@ -225,12 +235,18 @@ class RetentionRunner:
         fence: Called on the event loop with the steps a pass may delete as failed leftovers,
             before the pass: it must make sure no unit of theirs can be admitted any more.
         metrics: Where deletions are counted.
+        check_fence: Raises FencedError once a newer attempt owns the root; called before a
+            pass scans and before each deletion. A fenced runner runs no pass any more
+            (``fenced`` says why).
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
                  protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None,
-                 fence: Callable[[set[int]], None] | None = None) -> None:
+                 fence: Callable[[set[int]], None] | None = None,
+                 check_fence: Callable[[], None] | None = None) -> None:
         self._fence = fence
+        self._check_fence = check_fence
+        self.fenced: str | None = None
         self._metrics = metrics or RunMetrics(None)
         self._storage = storage
         self._template = template
@@ -260,6 +276,8 @@ class RetentionRunner:
         self.schedule()
 
     def schedule(self) -> None:
+        if self.fenced is not None:
+            return
         if self._running:
             self._again = True  # one more pass after this one sees the new commit
             return
@@ -287,6 +305,11 @@ class RetentionRunner:
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="root")
                     self.errors = result.errors
+                except FencedError as e:  # a newer job owns the root: its monitor runs retention now
+                    self.fenced = str(e)
+                    log.error("retention stops: %s", e)
+                    self.errors = [f"{type(e).__name__}: {e}"]
+                    break
                 except Exception as e:  # best-effort: the next commit runs another pass
                     log.warning("retention pass failed: %s: %s", type(e).__name__, e)
                     self.errors = [f"{type(e).__name__}: {e}"]
@@ -298,6 +321,8 @@ class RetentionRunner:
             self.idle.set()
 
     def _pass(self, protected: set[int], failed: set[int], at_once: set[int], withdrawing: set[int]) -> PassResult:
+        if self._check_fence is not None:
+            self._check_fence()
         trash_error = None
         try:
             empty_trash(self._storage)
@@ -321,7 +346,7 @@ class RetentionRunner:
         readers = self._readers
         result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
                           claim=None if readers is None else readers.claim_for_delete,
-                          unclaim=None if readers is None else readers.deleted)
+                          unclaim=None if readers is None else readers.deleted, fence=self._check_fence)
         if trash_error is not None:
             result.errors.insert(0, trash_error)
         return result

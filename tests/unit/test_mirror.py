@@ -89,3 +89,36 @@ def test_a_local_copy_that_does_not_match_its_manifest_is_never_uploaded(tmp_pat
     assert mirror.status().step(1).state == "abandoned" and mirror.protected() == set()
     assert remote.walk_files(remote.join("global_step_1")) == {}  # not even the data object
     assert read_tracker(remote, Kind.CHECKPOINT) is None
+
+
+def test_a_fenced_mirror_uploads_and_deletes_nothing(tmp_path):
+    """A monitor of an older job (attempt 1) whose root a newer job took over (attempt 2) still
+    runs its mirror: it would upload a local step the mirror lacks, and its retention (keep 2)
+    then delete step 1, which the newer job keeps there. Fenced, it uploads nothing, deletes nothing,
+    and its waiters hear why."""
+    from functools import partial
+
+    from ckptd.fencing import check_fence
+    from ckptd.monitor.attempts import open_attempt
+
+    local = Storage(str(tmp_path / "local"))
+    remote = Storage(f"memory://mirror-{uuid.uuid4().hex[:8]}/run")
+    mine = open_attempt(local, "job-1", None).attempt
+    open_attempt(local, "job-2", None)  # the newer job
+    for step in (1, 2, 3):
+        commit(local, step)
+    for step in (1, 2):  # the newer job mirrored these, and keeps them
+        commit(remote, step)
+    mirror = Mirror(local, remote, MirrorOptions(url=remote.url, max_ckpt_to_keep=2), TEMPLATE, {}, lambda: None,
+                    check_fence=partial(check_fence, local, mine))
+
+    async def scenario():
+        mirror.enqueue(3)
+        return await mirror.wait(3, 30)
+
+    outcome = asyncio.run(run_until(mirror, scenario()))
+    assert not outcome["mirrored"] and "attempt" in outcome["error"], outcome
+    assert committed_steps(remote, Kind.CHECKPOINT) == [1, 2] and not remote.exists(remote.join("global_step_3"))
+    with pytest.raises(Exception, match="attempt"):
+        mirror._retention_pass(set())
+    assert committed_steps(remote, Kind.CHECKPOINT) == [1, 2]

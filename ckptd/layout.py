@@ -105,8 +105,9 @@ class StepEntry:
 
 
 def kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
-    """The kinds committed in the step directory ``name`` (those whose manifest it holds)."""
-    names = set(storage.listdir(storage.join(name)))
+    """The kinds committed in the step directory ``name`` (those whose manifest it holds, as
+    a file: a save that made a directory of that name commits nothing)."""
+    names = storage.file_names(storage.join(name))
     return frozenset(k for k in Kind if MANIFESTS[k] in names)
 
 

@@ -156,6 +156,18 @@ class Storage:
             return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
+    def file_names(self, path: str) -> set[str]:
+        """Base names of the regular files (or objects) directly in a directory: no
+        subdirectory, even one named like a file; empty if it does not exist."""
+        try:
+            if self.is_posix:
+                with os.scandir(path) as entries:
+                    return {e.name for e in entries if e.is_file()}
+            entries = self.fs.ls(path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"}
+
     def stat(self, path: str) -> FileStat:
         if self.is_posix:
             st = os.stat(path)

@@ -102,3 +102,18 @@ def test_changed_files_counts_a_listed_path_that_is_no_longer_a_regular_file(tmp
     os.mkfifo(step / "pipe.bin")
     os.symlink("loop.bin", step / "loop.bin")
     assert changed_files(storage, "global_step_1", entries) == ["dir.bin", "pipe.bin", "loop.bin", "gone.bin"]
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_directory_named_like_a_manifest_commits_nothing(tmp_path, where):
+    """A save that made a directory called ``ckptd_manifest.json`` at the top of its step (bad
+    input) does not make the step committed for readers, retention or a restarted monitor."""
+    import uuid
+
+    storage = Storage(str(tmp_path / "root") if where == "local" else f"memory://layout-{uuid.uuid4().hex[:8]}/r")
+    storage.write_atomic(storage.join("global_step_1", MANIFESTS[Kind.STATE_DICT]), b"{}")
+    storage.write_atomic(storage.join("global_step_1", MANIFESTS[Kind.CHECKPOINT], "x.bin"), b"x")
+    storage.write_atomic(storage.join("global_step_2", MANIFESTS[Kind.CHECKPOINT], "x.bin"), b"x")
+    entries = scan_steps(storage, StepDirTemplate("global_step_{step}"))
+    assert entries[1].kinds == {Kind.STATE_DICT} and entries[2].kinds == frozenset()
+    assert committed_steps(storage, Kind.CHECKPOINT) == []

@@ -209,6 +209,9 @@ class CommitFlow:
                 # storage, readers may have taken it, and it verifies. It is committed; only the
                 # full checkpoint failed (whose failure checks that state dict again).
                 log.error("step %d: %s; its state dict committed before that", rec.step, reason)
+                # Pending before _committed prunes the ledger: a record whose failure is not yet
+                # recorded stays in it (a withdrawal then fails the record the ledger holds).
+                self._pending_failures(rec)
                 await self._committed(rec, [k for k in kinds if k in plan.published], plan, times, t0)
             if isinstance(e, CommitCheckError) and e.committed_changed and self._ledger.is_committed(rec.step, SD):
                 await self._revoke_state_dict(rec, reason)

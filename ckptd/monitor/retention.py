@@ -106,7 +106,7 @@ def plan_retention(
 TRASH = ".ckptd/trash"
 
 
-def delete_step(storage: Storage, entry: StepEntry) -> str | None:
+def delete_step(storage: Storage, entry: StepEntry, fence: Callable[[], None] | None = None) -> str | None:
     """Delete a step directory. Raises if the step is still in place; returns what went wrong
     after it left the root (it stays in the trash, emptied again at the next pass), else None.
 
@@ -115,6 +115,8 @@ def delete_step(storage: Storage, entry: StepEntry) -> str | None:
     first, so a half-deleted step reads as uncommitted.
     """
     failpoints.hit("before_step_delete")
+    if fence is not None:  # at the last moment, as a publish does: a stall before here is covered
+        fence()
     path = storage.join(entry.name)
     if storage.is_posix:
         trash = storage.join(TRASH)
@@ -201,7 +203,7 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
                 fence()
             if before_delete is not None and entry.committed:
                 before_delete(entry)
-            leftover = delete_step(storage, entry)
+            leftover = delete_step(storage, entry, fence)
             result.deleted.append(entry.step)
             if leftover is not None:
                 log.warning("%s; retrying at the next pass", leftover)

@@ -664,3 +664,13 @@ def what_the_trainer_finds(root: str) -> dict:
 class WindowMissed(RuntimeError):
     """An attack's race could not be set up this time (not the bug it guards against): a
     RuntimeError, not an AssertionError."""
+
+
+def file_size_limit(monitor, limit: int | None) -> None:
+    """Set (None: lift) the monitor process's RLIMIT_FSIZE: a write past it fails with EFBIG, as
+    on a disk that is full for larger files (Python ignores SIGXFSZ)."""
+    def set_it(_self, limit=limit):
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if limit is None else limit,
+                                                   resource.RLIM_INFINITY))
+    ray.get(monitor.__ray_call__.remote(set_it))

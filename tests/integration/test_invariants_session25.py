@@ -71,6 +71,7 @@ from tests.integration.helpers import (
     arm_in_monitor,
     assert_trackers_verified,
     commit_one,
+    file_size_limit,
     read_manifest,
     restart_monitor,
     status,
@@ -179,16 +180,6 @@ def test_i3_a_state_dict_withdrawn_before_a_crash_is_not_committed_again_with_th
 # -- I3: a commit that fails after publishing the state dict's manifest -----------------------------
 
 
-def _file_size_limit(monitor, limit: int | None) -> None:
-    """Set (None: lift) the monitor process's RLIMIT_FSIZE: a write past it fails with EFBIG, as
-    on a disk that is full for larger files (Python ignores SIGXFSZ)."""
-    def set_it(_self, limit=limit):
-        import resource
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if limit is None else limit,
-                                                   resource.RLIM_INFINITY))
-    ray.get(monitor.__ray_call__.remote(set_it))
-
-
 def test_i3_a_full_checkpoint_whose_commit_failed_after_the_state_dict_keeps_that_state_dict_committed(
         make_monitor, tmp_path):
     """Trinity's full checkpoint: a state-dict unit and a checkpoint unit of step 1 finish, then
@@ -214,7 +205,7 @@ def test_i3_a_full_checkpoint_whose_commit_failed_after_the_state_dict_keeps_tha
     coord.save_async("optim", optim, 1)
     coord.save_async("model", lambda: write_file(f"{d}/weights.bin", os.urandom(256)), 1, is_state_dict=True)
     assert wait_all(coord) is None
-    _file_size_limit(monitor, 200_000)
+    file_size_limit(monitor, 200_000)
     try:
         coord.register(1, state_dict_thread_count=1, checkpoint_thread_count=1)
         told = {}
@@ -225,7 +216,7 @@ def test_i3_a_full_checkpoint_whose_commit_failed_after_the_state_dict_keeps_tha
             except ckptd.CheckpointSaveError as e:
                 told[kind.value] = f"failed: {e.cause[:90]}"
     finally:
-        _file_size_limit(monitor, None)
+        file_size_limit(monitor, None)
     assert told[CKPT.value].startswith("failed"), told  # the fault took effect
     live = (read_manifest(root, 1, SD) is not None, ckptd.latest_step(root, "state_dict"), tracker_of(root, SD))
     restart_monitor(monitor)

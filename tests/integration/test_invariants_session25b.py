@@ -68,6 +68,7 @@ from tests.integration.helpers import (
     arm_in_monitor,
     assert_trackers_verified,
     commit_one,
+    file_size_limit,
     ledger_records,
     read_manifest,
     restart_monitor,
@@ -142,16 +143,6 @@ def test_i3_a_monitor_fenced_during_its_retention_pass_deletes_nothing_the_new_j
 # -- I2: a commit that fails after publishing the state dict's manifest (fix c) ---------------------
 
 
-def _file_size_limit(monitor, limit: int | None) -> None:
-    """Set (None: lift) the monitor process's RLIMIT_FSIZE: a write past it fails with EFBIG, as
-    on a disk that is full for larger files (as in test_invariants_session25)."""
-    def set_it(_self, limit=limit):
-        import resource
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if limit is None else limit,
-                                                   resource.RLIM_INFINITY))
-    ray.get(monitor.__ray_call__.remote(set_it))
-
-
 def _stage_both_kinds(coord, step: int) -> str:
     """A checkpoint unit (150 files under long paths: a checkpoint manifest past 200 kB) and a
     state-dict unit (weights.bin) of ``step`` finish before any registration; weights.bin's path."""
@@ -185,13 +176,13 @@ def test_i2_a_state_dict_withdrawn_after_a_half_failed_commit_is_not_reported_co
     commit_one(coord, 2, "weights.bin", is_state_dict=True)
     weights = _stage_both_kinds(coord, 1)
     arm_in_monitor(monitor, "before_failure_record", f"until:30:{gate}")
-    _file_size_limit(monitor, 200_000)
+    file_size_limit(monitor, 200_000)
     try:
         coord.register(1, state_dict_thread_count=1, checkpoint_thread_count=1)
         first = told(coord, 1, SD, 30)  # told before the checkpoint's failure is recorded
         write_file(weights, os.urandom(256))  # replaced after the state dict committed
     finally:
-        _file_size_limit(monitor, None)
+        file_size_limit(monitor, None)
         open(gate, "w").close()
     assert first == "committed", first
     full = told(coord, 1, CKPT, 30)  # reported once recorded and the state dict checked
@@ -210,12 +201,12 @@ def _half_failed_commit(monitor, coord, step: int) -> dict[str, str]:
     """Register ``step`` (both kinds, units finished) under a 200 kB file-size limit: the
     state-dict manifest is published, the checkpoint manifest fails on every try. What each kind
     was told."""
-    _file_size_limit(monitor, 200_000)
+    file_size_limit(monitor, 200_000)
     try:
         coord.register(step, state_dict_thread_count=1, checkpoint_thread_count=1)
         return {k.value: told(coord, step, k, 30) for k in (SD, CKPT)}
     finally:
-        _file_size_limit(monitor, None)
+        file_size_limit(monitor, None)
 
 
 def test_i2_a_crash_before_the_failed_checkpoint_is_recorded_keeps_the_state_dict_committed(make_monitor, tmp_path):
@@ -230,7 +221,7 @@ def test_i2_a_crash_before_the_failed_checkpoint_is_recorded_keeps_the_state_dic
     _stage_both_kinds(coord, 1)
     pid = ray.get(monitor.ping.remote())["pid"]
     arm_in_monitor(monitor, "before_failure_record", "crash")
-    _file_size_limit(monitor, 200_000)
+    file_size_limit(monitor, 200_000)
     coord.register(1, state_dict_thread_count=1, checkpoint_thread_count=1)
     first_sd = told(coord, 1, SD, 30)
     wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != pid, what="the monitor to restart")
@@ -282,7 +273,7 @@ def test_i2_a_crash_in_the_withdrawal_after_a_half_failed_commit_withdraws_it_ag
     pid = ray.get(monitor.ping.remote())["pid"]
     arm_in_monitor(monitor, "before_failure_record", f"until:30:{gate}")
     arm_in_monitor(monitor, "before_revoke", "crash")
-    _file_size_limit(monitor, 200_000)
+    file_size_limit(monitor, 200_000)
     try:
         coord.register(1, state_dict_thread_count=1, checkpoint_thread_count=1)
         first = told(coord, 1, SD, 30)

@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 import ckptd
 from ckptd.config import Kind
 
-from .helpers import read_manifest, status, write_step_file
+from .helpers import read_manifest, status, wait_for, write_step_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -105,7 +105,16 @@ def test_wait_false_returns_while_the_monitor_is_unreachable(make_monitor, tmp_p
     wait_all raises what the background thread got."""
     monitor = make_monitor(str(tmp_path / "ckpt"))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=1.0)
-    ray.kill(monitor, no_restart=True)
+    ray.kill(monitor, no_restart=True)  # asynchronous: a call right after it may still be answered
+
+    def dead() -> bool:
+        try:
+            ray.get(monitor.ping.remote(), timeout=30)
+        except RayActorError:
+            return True
+        return False
+
+    wait_for(dead, what="the killed monitor to be gone")
     coord.register(1, checkpoint_thread_count=1, wait=False)
     with pytest.raises(RayActorError):
         coord.wait_all()

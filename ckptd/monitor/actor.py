@@ -211,8 +211,8 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
             except CheckpointConfigError as e:
                 return {"error": {"type": type(e).__name__, "message": str(e)}}
             failed = await self._failure_for(reg)  # waits for failure records being written
-            if reg.step not in self._committing:
-                break  # else a commit began while that record was written: wait for it, look again
+            if not self._busy(reg.step):
+                break  # else a commit (or a deletion) began while that record was written: look again
         if self._ledger.registration_is_moot(reg):
             # Every kind it could change has settled: nothing is written, and a failure among
             # them is the answer (the units it announces would count toward nothing).
@@ -330,6 +330,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
 
     def _protected(self) -> set[int]:
         protected = self._ledger.in_flight_steps() | {s for s in self._trackers.values() if s is not None}
+        protected |= self._committing.keys() | self._registering.keys()  # no record may say so yet
         protected |= self._reader_protected()
         if self._mirror is not None:
             protected |= self._mirror.protected()

@@ -14,6 +14,10 @@ Rules:
   leftover of a failed or crashed save: deleted at once if the monitor knows the step failed,
   else once nothing in it has changed for a grace period (a save the monitor has not heard of,
   after a restart, may still be writing it).
+* A step is claimed on the monitor's event loop right before its deletion: one that is in flight
+  by then (a save of an older step that began after the pass read what is in flight, and may
+  have committed its state dict before the scan) is kept, and a unit or registration of a
+  claimed step waits until the deletion is over.
 * Only the newest attempt of the root deletes anything (``check_fence`` before the scan and
   before each deletion): a monitor of an older job plans from its own view of the root, and
   would delete steps the newer job keeps (a step whose full checkpoint it is still saving).
@@ -179,13 +183,14 @@ class PassResult:
 
 def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
              before_delete: Callable[[StepEntry], None] | None = None,
-             claim: Callable[[int], bool] | None = None, unclaim: Callable[[int], None] | None = None,
+             claim: Callable[[StepEntry], bool] | None = None, unclaim: Callable[[StepEntry], None] | None = None,
              fence: Callable[[], None] | None = None) -> PassResult:
     """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
     the step again in storage); it never stops the deletions after it. ``before_delete`` runs
-    before each committed step is deleted. ``claim(step)`` is asked first for each committed
-    step: False keeps it (a reader holds it); ``unclaim(step)`` follows a claimed deletion.
-    ``fence()`` runs right before each deletion: the FencedError it raises ends the pass."""
+    before each committed step is deleted. ``claim(entry)`` is asked first for each step: False
+    keeps it (in flight now, or a reader holds it); ``unclaim(entry)`` follows a claimed
+    deletion, done or not. ``fence()`` runs right before each deletion: the FencedError it
+    raises ends the pass."""
     result = PassResult()
     todo = plan.delete + plan.leftovers_failed
     for entry in plan.leftovers_idle:
@@ -195,9 +200,8 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
         except OSError as e:
             log.warning("could not inspect leftover %s: %s", entry.name, e)
     for entry in sorted(todo, key=lambda e: e.step):
-        claimed = entry.committed and claim is not None
-        if claimed and not claim(entry.step):
-            continue  # a reader pinned it since the plan was made: the next pass sees it again
+        if claim is not None and not claim(entry):
+            continue  # in flight or pinned since the plan was made: the next pass sees it again
         try:
             if fence is not None:
                 fence()
@@ -215,20 +219,23 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
             log.warning("%s; retrying after the next commit", msg)
             result.errors.append(msg)
         finally:
-            if claimed and unclaim is not None:
-                unclaim(entry.step)
+            if claim is not None and unclaim is not None:
+                unclaim(entry)
     return result
 
 
 _HISTORY = 1000  # deleted steps reported by status()
+_LOOP_CALL_TIMEOUT_S = 60.0  # a loop that does not answer a claim for this long: the pass fails, retried later
 
 
 class RetentionRunner:
     """Runs retention passes on the monitor's event loop, one at a time, after each commit.
 
     What is protected (tracker targets, steps in flight, steps not yet mirrored) is read on the
-    event loop, before the scan: a step that starts saving after that is newer than the newest
-    commit, or still being written (so not idle), and is left alone either way.
+    event loop before the scan, and again for each step right before it is deleted: a save of
+    an older step can begin in between, and commit its state dict before the scan sees it. The
+    second look claims the step (:attr:`deleting`) until its deletion is over; the monitor's
+    admissions and registrations of a claimed step wait for that.
 
     Args:
         protected: Returns the steps never to delete now.
@@ -269,6 +276,8 @@ class RetentionRunner:
         self.passes = 0
         self.deleted: list[int] = []
         self.errors: list[str] = []
+        self.deleting: dict[int, asyncio.Event] = {}  # claimed steps, set once their deletion is over
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def release(self) -> None:
         """Let passes run, and run one. Until then :meth:`schedule` only queues a pass: a monitor
@@ -285,9 +294,10 @@ class RetentionRunner:
             return
         self._running = True
         self.idle.clear()
-        self._spawn(self._loop())
+        self._spawn(self._passes())
 
-    async def _loop(self) -> None:
+    async def _passes(self) -> None:
+        self._loop = asyncio.get_running_loop()
         try:
             await self._released.wait()
             while True:
@@ -333,6 +343,7 @@ class RetentionRunner:
             # readers already, and one entry rm cannot remove must not stop the deletions below.
             trash_error = f"could not empty {TRASH}: {e}"
             log.warning("%s; retrying at the next pass", trash_error)
+        failpoints.hit("before_retention_scan")
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing)
         # A committed step's ledger records go before its directory: a monitor killed in between
@@ -346,9 +357,47 @@ class RetentionRunner:
                 self._cleanup(entry.step)
 
         readers = self._readers
+
+        def claim(entry: StepEntry) -> bool:
+            if not self._on_loop(self._claim, entry):
+                return False
+            if entry.committed and readers is not None and not readers.claim_for_delete(entry.step):
+                self._loop.call_soon_threadsafe(self._release, entry.step)
+                return False
+            return True
+
+        def unclaim(entry: StepEntry) -> None:
+            if entry.committed and readers is not None:
+                readers.deleted(entry.step)
+            self._loop.call_soon_threadsafe(self._release, entry.step)  # never blocks: a claim must end
+
         result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
-                          claim=None if readers is None else readers.claim_for_delete,
-                          unclaim=None if readers is None else readers.deleted, fence=self._check_fence)
+                          claim=claim, unclaim=unclaim, fence=self._check_fence)
         if trash_error is not None:
             result.errors.insert(0, trash_error)
         return result
+
+    def _on_loop(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the monitor's event loop from the pass's thread; its result."""
+        async def call():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(_LOOP_CALL_TIMEOUT_S)
+
+    def _claim(self, entry: StepEntry) -> bool:
+        """On the event loop: whether ``entry`` may be deleted now (then it is claimed). Not if
+        it is protected now (in flight, a registration or commit of it under way, a tracker
+        target), being withdrawn, or if a kind the scan did not see committed has committed or
+        is committing since."""
+        step = entry.step
+        if step in self._protected() or step in self._ledger.withdrawing_steps():
+            return False
+        if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
+               for k in Kind if k not in entry.kinds):
+            return False
+        self.deleting[step] = asyncio.Event()
+        return True
+
+    def _release(self, step: int) -> None:
+        event = self.deleting.pop(step, None)
+        if event is not None:
+            event.set()

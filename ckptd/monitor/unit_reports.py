@@ -91,8 +91,10 @@ class UnitReports:
         return None if event == "failed" else {"refused": why}
 
     async def _admit(self, uid: UnitId) -> str | None:
-        if uid.step in self._committing:
-            await self.quiesce(uid.step)  # a unit admitted during a commit would not be in it
+        if self._busy(uid.step):
+            # A unit admitted during a commit would not be in it; one admitted while retention
+            # deletes the step would write into a directory on its way to the trash.
+            await self.quiesce(uid.step)
         if self._fenced is not None:
             return self._fenced
         why = self._ledger.admit(uid, time.time())

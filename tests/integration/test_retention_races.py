@@ -1,0 +1,131 @@
+"""Retention racing saves that start after its pass read what is in flight.
+
+A pass reads the steps in flight on the monitor's event loop, then scans the root and deletes in
+a thread. A save of an older step (steps saved out of order, a full checkpoint added to a state
+dict already committed) can start, and commit its state dict, in between. CI caught it once
+(session 26): ``test_fifty_steps_in_random_order_with_a_restart_keep_exactly_the_configured_set``
+lost full checkpoint 40, whose state dict committed between a pass's snapshot and its scan: the
+pass deleted it as an old state dict while its checkpoint unit still ran.
+
+Real local Ray, real monitors (failpoints armed in the monitor's process only), real
+coordinators and files under ``tmp_path``; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.config import Kind
+from ckptd.layout import MANIFESTS
+
+from .helpers import arm_in_monitor, assert_trackers_verified, commit_one, in_thread, wait_for, write_file
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _held_at(monitor, name: str) -> bool:
+    """Whether a thread of the monitor's process waits in failpoint ``name``."""
+    def look(_self, name=name):
+        import sys
+        for frame in sys._current_frames().values():
+            while frame is not None:
+                if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
+                    return True
+                frame = frame.f_back
+        return False
+    return ray.get(monitor.__ray_call__.remote(look))
+
+
+def _steps(root: str) -> set[int]:
+    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
+
+
+def test_a_full_checkpoint_whose_state_dict_commits_after_the_snapshot_is_not_deleted(make_monitor, tmp_path):
+    """State dicts 10 and 20 are committed (2 kept). Committing 30 starts a pass that reads what
+    is in flight (nothing of step 5 yet) and is held before its scan. Step 5 then saves a full
+    checkpoint: its state dict commits, its checkpoint unit still runs. The pass scans, finds
+    step 5 committed as a state dict older than the 2 newest, and must keep it all the same:
+    step 5 is in flight. Its full checkpoint then commits and stays (the only one)."""
+    root = str(tmp_path / "ckpt")
+    gate = str(tmp_path / "gate")
+    monitor = make_monitor(root, max_state_dict_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    commit_one(coord, 10, "weights.bin", is_state_dict=True)
+    commit_one(coord, 20, "weights.bin", is_state_dict=True)
+    arm_in_monitor(monitor, "before_retention_scan", f"until:60:{gate}")
+    try:
+        commit_one(coord, 30, "weights.bin", is_state_dict=True)
+        wait_for(lambda: _held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
+        optim_may_write = threading.Event()
+        d = coord.step_dir(5)
+
+        def optim() -> list[str]:
+            assert optim_may_write.wait(60)
+            return write_file(f"{d}/optim.bin", os.urandom(512))
+
+        coord.save_async("weights", lambda: write_file(f"{d}/weights.bin", os.urandom(512)), 5, is_state_dict=True)
+        coord.save_async("optim", optim, 5)
+        coord.register(5, state_dict_thread_count=1, checkpoint_thread_count=1)
+        coord.wait_committed(5, is_state_dict=True, timeout_s=60)
+    finally:
+        open(gate, "w").close()
+    assert ray.get(monitor.wait_retention.remote(60))
+    kept = _steps(root)
+    optim_may_write.set()
+    coord.wait_all()
+    outcome = in_thread(lambda: coord.wait_committed(5, is_state_dict=False, timeout_s=60), timeout_s=70)
+    assert 5 in kept, (f"the pass deleted step 5 while its full checkpoint was being saved (kept {sorted(kept)}); "
+                       f"its wait_committed then gave {outcome}")
+    assert outcome == ("ok", None), outcome
+    assert ray.get(monitor.wait_retention.remote(60))
+    assert _steps(root) == {5, 20, 30}  # 10 goes: not among the 2 newest; 5 is the only full checkpoint
+    ckptd.verify(root, 5, kind="checkpoint")
+    assert ckptd.latest_step(root) == 5
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp_path):
+    """State dicts 1, 2 and 3 are committed (2 kept); the pass that deletes step 1 is held right
+    before the rename. A full checkpoint of step 1 is then saved (a late save into an old step).
+    Its unit must not be admitted while the directory it writes into is being deleted: it waits
+    for the deletion, and whatever it is told afterwards agrees with storage. Before the fix it
+    was admitted at once, wrote optim.bin and committed the checkpoint into the directory the pass
+    then moved into the trash: the checkpoint tracker named a step that was gone."""
+    root = str(tmp_path / "ckpt")
+    gate = str(tmp_path / "gate")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    arm_in_monitor(monitor, "before_step_delete", f"until:60:{gate}")
+    try:
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+        wait_for(lambda: _held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
+        d = coord.step_dir(1)
+        coord.register(1, checkpoint_thread_count=1, wait=False)
+        coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
+        early = in_thread(lambda: coord.wait_committed(1, is_state_dict=False, timeout_s=3), timeout_s=10)
+    finally:
+        open(gate, "w").close()
+    assert early[0] != "ok", f"step 1's full checkpoint committed while its directory was being deleted: {early}"
+    assert ray.get(monitor.wait_retention.remote(60))
+    try:
+        coord.wait_all()
+        coord.wait_committed(1, is_state_dict=False, timeout_s=60)
+        committed = True
+    except ckptd.CheckpointError:
+        committed = False
+    assert ray.get(monitor.wait_retention.remote(60))
+    if committed:  # then it is on storage, whole
+        ckptd.verify(root, 1, kind="checkpoint")
+    else:
+        assert not os.path.exists(os.path.join(ckptd.step_dir(root, 1), MANIFESTS[Kind.CHECKPOINT]))
+    assert_trackers_verified(root)
+    assert ckptd.latest_step(root, "state_dict") in (1, 3)
+    coord.close()

@@ -23,7 +23,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import arm_in_monitor, assert_trackers_verified, commit_one, in_thread, wait_for, write_file
+from .helpers import arm_in_monitor, assert_trackers_verified, commit_one, in_thread, status, wait_for, write_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -94,9 +94,10 @@ def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp
     """State dicts 1, 2 and 3 are committed (2 kept); the pass that deletes step 1 is held right
     before the rename. A full checkpoint of step 1 is then saved (a late save into an old step).
     Its unit must not be admitted while the directory it writes into is being deleted: it waits
-    for the deletion, and whatever it is told afterwards agrees with storage. Before the fix it
-    was admitted at once, wrote optim.bin and committed the checkpoint into the directory the pass
-    then moved into the trash: the checkpoint tracker named a step that was gone."""
+    for the deletion; then its full checkpoint fails (the state dict it counts is gone). Before
+    the fix it was admitted at once, wrote optim.bin and committed the checkpoint into the
+    directory the pass then moved into the trash: the checkpoint tracker named a step that was
+    gone."""
     root = str(tmp_path / "ckpt")
     gate = str(tmp_path / "gate")
     monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
@@ -115,17 +116,14 @@ def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp
         open(gate, "w").close()
     assert early[0] != "ok", f"step 1's full checkpoint committed while its directory was being deleted: {early}"
     assert ray.get(monitor.wait_retention.remote(60))
-    try:
-        coord.wait_all()
+    assert 1 in status(monitor).retention.deleted_steps
+    # After the deletion the unit writes into a fresh directory; the full checkpoint counts the
+    # state dict committed at step 1, whose weights.bin is gone: its commit check says so.
+    coord.wait_all()
+    with pytest.raises(ckptd.CheckpointSaveError, match=r"weights\.bin, reported by .* is missing from storage"):
         coord.wait_committed(1, is_state_dict=False, timeout_s=60)
-        committed = True
-    except ckptd.CheckpointError:
-        committed = False
     assert ray.get(monitor.wait_retention.remote(60))
-    if committed:  # then it is on storage, whole
-        ckptd.verify(root, 1, kind="checkpoint")
-    else:
-        assert not os.path.exists(os.path.join(ckptd.step_dir(root, 1), MANIFESTS[Kind.CHECKPOINT]))
+    assert not os.path.exists(os.path.join(ckptd.step_dir(root, 1), MANIFESTS[Kind.CHECKPOINT]))
     assert_trackers_verified(root)
-    assert ckptd.latest_step(root, "state_dict") in (1, 3)
+    assert ckptd.latest_step(root, "state_dict") == 3 and ckptd.latest_step(root) is None
     coord.close()

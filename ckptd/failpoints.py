@@ -42,6 +42,7 @@ FAILPOINTS: dict[str, str] = {
     "before_revoke": "monitor: a committed state dict whose files changed is withdrawn, before its manifest goes",
     "before_lease_record_removed": "monitor: a read lease was released, before its record under the root is deleted",
     "before_retention_scan": "monitor: a retention pass read what is in flight, before it scans the root",
+    "after_delete_claim": "monitor: retention claimed a step, before its ledger records go and it is deleted",
     "before_step_delete": "monitor: retention is about to delete a step directory",
     "after_mirror_file": "monitor: one file of a step was uploaded to the mirror and verified",
     "before_mirror_manifest": "monitor: every file of a step is on the mirror, before its manifest",

@@ -156,13 +156,13 @@ class CommitFlow:
 
     def _busy(self, step: int) -> bool:
         """Whether a commit of ``step``, or retention's deletion of it, is in flight."""
-        return step in self._committing or step in self._retention.deleting
+        return step in self._committing or step in self._retention.claims.deleting
 
     async def quiesce(self, step: int) -> None:
         """Wait until no commit of ``step`` is in flight (a unit admitted or a registration
         accepted meanwhile could not be part of it, yet would be told it was), nor retention's
         deletion of it (the unit would write into a directory on its way to the trash)."""
-        while (event := self._committing.get(step) or self._retention.deleting.get(step)) is not None:
+        while (event := self._committing.get(step) or self._retention.claims.deleting.get(step)) is not None:
             await event.wait()
 
     async def _commit(self, rec: StepRecord, kinds: list[Kind]) -> None:

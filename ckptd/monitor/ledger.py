@@ -82,9 +82,10 @@ class StepLedger:
                     if any(r[k].state in (StepState.COMMITTED, StepState.COMMITTING) for k in Kind)), default=None)
 
     def in_flight_steps(self) -> set[int]:
-        """Steps with an active kind that is not settled yet."""
+        """Steps with an active kind that is not settled yet, or a unit still running (a unit
+        of a settled state dict counts toward a full checkpoint not registered yet)."""
         return {r.step for r in self._records.values()
-                if any(r.active(k) and not r[k].settled for k in Kind)}
+                if r.has_running() or any(r.active(k) and not r[k].settled for k in Kind)}
 
     def withdrawing_steps(self) -> set[int]:
         """Steps whose committed state dict is being withdrawn (its manifest may still be there),

@@ -40,6 +40,7 @@ from ckptd.config import Kind, MonitorOptions
 from ckptd.fencing import FencedError
 from ckptd.layout import MANIFESTS, StepEntry, scan_steps
 from ckptd.metrics import RETENTION_DELETIONS, RunMetrics
+from ckptd.monitor.claims import DeletionClaims
 from ckptd.monitor.records import StepState
 from ckptd.storage import Storage
 
@@ -203,6 +204,7 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
         if claim is not None and not claim(entry):
             continue  # in flight or pinned since the plan was made: the next pass sees it again
         try:
+            failpoints.hit("after_delete_claim")
             if fence is not None:
                 fence()
             if before_delete is not None and entry.committed:
@@ -225,7 +227,6 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
 
 
 _HISTORY = 1000  # deleted steps reported by status()
-_LOOP_CALL_TIMEOUT_S = 60.0  # a loop that does not answer a claim for this long: the pass fails, retried later
 
 
 class RetentionRunner:
@@ -234,7 +235,7 @@ class RetentionRunner:
     What is protected (tracker targets, steps in flight, steps not yet mirrored) is read on the
     event loop before the scan, and again for each step right before it is deleted: a save of
     an older step can begin in between, and commit its state dict before the scan sees it. The
-    second look claims the step (:attr:`deleting`) until its deletion is over; the monitor's
+    second look claims the step (:attr:`claims`) until its deletion is over; the monitor's
     admissions and registrations of a claimed step wait for that.
 
     Args:
@@ -276,8 +277,8 @@ class RetentionRunner:
         self.passes = 0
         self.deleted: list[int] = []
         self.errors: list[str] = []
-        self.deleting: dict[int, asyncio.Event] = {}  # claimed steps, set once their deletion is over
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.claims = DeletionClaims(self._may_delete)
+        self._withdrawing: set[int] = set()  # what the current pass's plan counted as being withdrawn
 
     def release(self) -> None:
         """Let passes run, and run one. Until then :meth:`schedule` only queues a pass: a monitor
@@ -297,7 +298,7 @@ class RetentionRunner:
         self._spawn(self._passes())
 
     async def _passes(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.claims.bind(asyncio.get_running_loop())
         try:
             await self._released.wait()
             while True:
@@ -345,6 +346,7 @@ class RetentionRunner:
             log.warning("%s; retrying at the next pass", trash_error)
         failpoints.hit("before_retention_scan")
         entries = scan_steps(self._storage, self._template)
+        self._withdrawing = set(withdrawing)
         plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing)
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
@@ -359,17 +361,17 @@ class RetentionRunner:
         readers = self._readers
 
         def claim(entry: StepEntry) -> bool:
-            if not self._on_loop(self._claim, entry):
+            if not self.claims.claim(entry):
                 return False
             if entry.committed and readers is not None and not readers.claim_for_delete(entry.step):
-                self._loop.call_soon_threadsafe(self._release, entry.step)
+                self.claims.release(entry.step)
                 return False
             return True
 
         def unclaim(entry: StepEntry) -> None:
             if entry.committed and readers is not None:
                 readers.deleted(entry.step)
-            self._loop.call_soon_threadsafe(self._release, entry.step)  # never blocks: a claim must end
+            self.claims.release(entry.step)
 
         result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
                           claim=claim, unclaim=unclaim, fence=self._check_fence)
@@ -377,27 +379,20 @@ class RetentionRunner:
             result.errors.insert(0, trash_error)
         return result
 
-    def _on_loop(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the monitor's event loop from the pass's thread; its result."""
-        async def call():
-            return fn(*args)
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(_LOOP_CALL_TIMEOUT_S)
-
-    def _claim(self, entry: StepEntry) -> bool:
-        """On the event loop: whether ``entry`` may be deleted now (then it is claimed). Not if
-        it is protected now (in flight, a registration or commit of it under way, a tracker
-        target), being withdrawn, or if a kind the scan did not see committed has committed or
-        is committing since."""
+    def _may_delete(self, entry: StepEntry) -> bool:
+        """On the event loop, right before a deletion: not if the step is protected now (in
+        flight, a registration or commit of it under way, a tracker target), being withdrawn,
+        or if a kind the scan did not see committed has committed or is committing since. A
+        committed step is not deleted either once a state dict the plan counted is being
+        withdrawn: the plan kept too few; another pass follows."""
         step = entry.step
-        if step in self._protected() or step in self._ledger.withdrawing_steps():
+        withdrawing = self._ledger.withdrawing_steps()
+        if step in self._protected() or step in withdrawing:
             return False
         if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
                for k in Kind if k not in entry.kinds):
             return False
-        self.deleting[step] = asyncio.Event()
+        if entry.committed and not withdrawing <= self._withdrawing:
+            self._again = True
+            return False
         return True
-
-    def _release(self, step: int) -> None:
-        event = self.deleting.pop(step, None)
-        if event is not None:
-            event.set()

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from ckptd import protocol
 from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
 from ckptd.manifest import FileEntry, Manifest
@@ -91,10 +92,26 @@ class UnitReports:
         return None if event == "failed" else {"refused": why}
 
     async def _admit(self, uid: UnitId) -> str | None:
-        if self._busy(uid.step):
+        deleted = False  # whether retention deleted the step while the unit waited
+        while True:
             # A unit admitted during a commit would not be in it; one admitted while retention
             # deletes the step would write into a directory on its way to the trash.
-            await self.quiesce(uid.step)
+            claimed = self._retention.claims.deleting.get(uid.step)
+            deleted = deleted or claimed is not None
+            event = self._committing.get(uid.step) or claimed
+            if event is not None:
+                await event.wait()
+                continue
+            if not deleted:
+                break
+            # The unit's receipt went with the step's ledger records: a restarted monitor must
+            # still know that the unit runs. Then look again (the write let others run).
+            deleted = False
+            try:
+                await self._in_thread(protocol.write_started, self._storage, self._attempt, uid)
+            except Exception as e:  # only a restart before the unit ends would miss it
+                log.warning("step %d: could not write the receipt of %s again after a deletion: %s: %s",
+                            uid.step, uid.label, type(e).__name__, e)
         if self._fenced is not None:
             return self._fenced
         why = self._ledger.admit(uid, time.time())

@@ -23,7 +23,16 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import arm_in_monitor, assert_trackers_verified, commit_one, in_thread, status, wait_for, write_file
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    commit_one,
+    in_thread,
+    status,
+    unit_receipt,
+    wait_for,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -126,4 +135,46 @@ def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp
     assert not os.path.exists(os.path.join(ckptd.step_dir(root, 1), MANIFESTS[Kind.CHECKPOINT]))
     assert_trackers_verified(root)
     assert ckptd.latest_step(root, "state_dict") == 3 and ckptd.latest_step(root) is None
+    coord.close()
+
+
+def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, tmp_path):
+    """The pass claims step 1 and is held before the step's ledger records go. A unit of step 1
+    writes its "started" receipt and asks to be admitted: it waits for the deletion, which
+    removes every record of the step, its receipt too. Once admitted it must have a receipt
+    again (the monitor writes it): a monitor restarted while the unit runs knows it only from
+    that receipt."""
+    root = str(tmp_path / "ckpt")
+    gate = str(tmp_path / "gate")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    attempt = ray.get(monitor.ping.remote())["attempt"]
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    arm_in_monitor(monitor, "after_delete_claim", f"until:60:{gate}")
+    writing, may_finish = threading.Event(), threading.Event()
+    d = coord.step_dir(1)
+
+    def optim() -> list[str]:
+        writing.set()
+        assert may_finish.wait(60)
+        return write_file(f"{d}/optim.bin", os.urandom(512))
+
+    try:
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+        wait_for(lambda: _held_at(monitor, "after_delete_claim"), what="the pass to claim step 1")
+        coord.save_async("optim", optim, 1)
+        wait_for(lambda: unit_receipt(root, attempt, 1, "w") is not None, what="the unit's receipt")
+        assert not writing.wait(1), "the unit was admitted into step 1 while it was claimed for deletion"
+    finally:
+        open(gate, "w").close()
+    try:
+        assert writing.wait(30), "the unit was never admitted after the deletion"
+        assert 1 in status(monitor).retention.deleted_steps
+        receipt = unit_receipt(root, attempt, 1, "w")
+        assert receipt is not None and receipt["status"] == "started", (
+            f"the unit runs, admitted after step 1's deletion removed its records, with no receipt: {receipt}")
+    finally:
+        may_finish.set()
+    coord.wait_all()
     coord.close()

@@ -674,3 +674,31 @@ def file_size_limit(monitor, limit: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if limit is None else limit,
                                                    resource.RLIM_INFINITY))
     ray.get(monitor.__ray_call__.remote(set_it))
+
+
+def step_dirs(root: str) -> set[int]:
+    """The steps whose directory (``global_step_N``) is under ``root``."""
+    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
+
+
+def held_at(monitor, name: str) -> bool:
+    """Whether a thread of the monitor's process waits in failpoint ``name``."""
+    def look(_self, name=name):
+        import sys
+        for frame in sys._current_frames().values():
+            while frame is not None:
+                if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
+                    return True
+                frame = frame.f_back
+        return False
+    return ray.get(monitor.__ray_call__.remote(look))
+
+
+def two_state_dicts(make_monitor, root: str):
+    """A monitor that keeps 2 state dicts (and every full checkpoint), with state dicts 1 and 2
+    committed by worker "w": (monitor, coordinator). Committing 3 then deletes step 1."""
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    return monitor, coord

@@ -23,26 +23,20 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import arm_in_monitor, assert_trackers_verified, commit_one, in_thread, status, wait_for, write_file
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    commit_one,
+    held_at,
+    in_thread,
+    status,
+    step_dirs,
+    two_state_dicts,
+    wait_for,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
-
-
-def _steps(root: str) -> set[int]:
-    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
-
-
-def _held_at(monitor, name: str) -> bool:
-    """Whether a thread of the monitor's process waits in failpoint ``name``."""
-    def look(_self, name=name):
-        import sys
-        for frame in sys._current_frames().values():
-            while frame is not None:
-                if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
-                    return True
-                frame = frame.f_back
-        return False
-    return ray.get(monitor.__ray_call__.remote(look))
 
 
 def test_a_running_state_dict_unit_of_a_committed_state_dict_keeps_its_step(make_monitor, tmp_path):
@@ -55,10 +49,7 @@ def test_a_running_state_dict_unit_of_a_committed_state_dict_keeps_its_step(make
     has no registration or unit yet), so the pass's snapshot and its claim both let it go: the
     directory the unit is writing into goes to the trash."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    monitor, coord = two_state_dicts(make_monitor, root)
     d = coord.step_dir(1)
     admitted, may_finish = threading.Event(), threading.Event()
 
@@ -74,7 +65,7 @@ def test_a_running_state_dict_unit_of_a_committed_state_dict_keeps_its_step(make
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
         assert ray.get(monitor.wait_retention.remote(60))
         deleted = status(monitor).retention.deleted_steps
-        kept = _steps(root)
+        kept = step_dirs(root)
     finally:
         may_finish.set()
     in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
@@ -151,16 +142,13 @@ def test_a_claim_that_times_out_on_a_busy_loop_is_not_left_behind(make_monitor, 
     registration of that step then waits in ``quiesce`` forever (invariant 4)."""
     root = str(tmp_path / "ckpt")
     gate = str(tmp_path / "gate")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    monitor, coord = two_state_dicts(make_monitor, root)
     assert ray.get(monitor.wait_retention.remote(30))  # the held pass is step 3's, and no other pass follows it
     _set_loop_call_timeout(monitor, 0.5)
     arm_in_monitor(monitor, "before_retention_scan", f"until:60:{gate}")
     try:
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: _held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
         seen = ray.get(monitor.__ray_call__.remote(_hold_loop_through_a_claim_timeout(gate)))
     finally:
         open(gate, "w").close()
@@ -204,10 +192,7 @@ def test_a_withdrawal_that_begins_after_the_snapshot_does_not_cost_an_older_stat
     (invariant 3; plan_retention's ``withdrawing`` exists exactly to keep it)."""
     root = str(tmp_path / "ckpt")
     scan_gate, revoke_gate = str(tmp_path / "scan_gate"), str(tmp_path / "revoke_gate")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    monitor, coord = two_state_dicts(make_monitor, root)
     d = coord.step_dir(3)
     coord.register(3, is_state_dict=True, state_dict_thread_count=1)
     coord.register(3, checkpoint_thread_count=1)
@@ -227,9 +212,9 @@ def test_a_withdrawal_that_begins_after_the_snapshot_does_not_cost_an_older_stat
     try:
         coord.save_async("weights", lambda: write_file(f"{d}/weights.bin", os.urandom(4096)), 3, is_state_dict=True)
         coord.wait_committed(3, is_state_dict=True, timeout_s=30)
-        wait_for(lambda: _held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
         go.set()
-        wait_for(lambda: _held_at(monitor, "before_revoke"), what="state dict 3's withdrawal")
+        wait_for(lambda: held_at(monitor, "before_revoke"), what="state dict 3's withdrawal")
         open(scan_gate, "w").close()
         assert ray.get(monitor.wait_retention.remote(30))
     finally:
@@ -238,7 +223,7 @@ def test_a_withdrawal_that_begins_after_the_snapshot_does_not_cost_an_older_stat
     wait_for(lambda: ckptd.latest_step(root, "state_dict") == 2, what="state dict 3 to be withdrawn")
     in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
     assert ray.get(monitor.wait_retention.remote(30))
-    committed_sd = sorted(s for s in _steps(root)
+    committed_sd = sorted(s for s in step_dirs(root)
                           if os.path.exists(os.path.join(ckptd.step_dir(root, s), MANIFESTS[Kind.STATE_DICT])))
     deleted = status(monitor).retention.deleted_steps
     assert 1 not in deleted, (f"retention deleted state dict 1 although state dict 3 was being withdrawn: "
@@ -254,14 +239,11 @@ def test_held_a_registration_waiting_for_a_deletion_that_fails_goes_on(make_moni
     unit go on, and the full checkpoint commits into the directory that stayed."""
     root = str(tmp_path / "ckpt")
     gate = str(tmp_path / "gate")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    monitor, coord = two_state_dicts(make_monitor, root)
     arm_in_monitor(monitor, "before_step_delete", f"until:60:{gate}")
     try:
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: _held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
+        wait_for(lambda: held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
         open(os.path.join(root, ".ckptd", "trash"), "w").close()  # after the pass emptied it: the rename fails
         d = coord.step_dir(1)
         coord.register(1, checkpoint_thread_count=1, wait=False)

@@ -12,7 +12,7 @@ import ray
 
 import ckptd
 
-from .helpers import failpoint_env, ledger_records, restart_monitor, status
+from .helpers import failpoint_env, ledger_records, restart_monitor, status, step_dirs
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -38,8 +38,6 @@ def _save(coord, root: str, step: int, full: bool) -> None:
                    checkpoint_thread_count=1 if full else 0)
 
 
-def _steps(root: str) -> set[int]:
-    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
 
 
 def test_fifty_steps_in_random_order_with_a_restart_keep_exactly_the_configured_set(make_monitor, tmp_path):
@@ -61,9 +59,9 @@ def test_fifty_steps_in_random_order_with_a_restart_keep_exactly_the_configured_
             assert "unknown to the monitor" in str(e) and step in order[:25]
     assert ray.get(monitor.wait_retention.remote(60))
     # Newest 3 full checkpoints, newest 2 state dicts, every 16th step; nothing else.
-    assert _steps(root) == {40, 44, 48} | {49, 50} | {16, 32}
+    assert step_dirs(root) == {40, 44, 48} | {49, 50} | {16, 32}
     assert ckptd.latest_step(root) == 48 and ckptd.latest_step(root, "state_dict") == 50
-    for step in _steps(root):
+    for step in step_dirs(root):
         ckptd.verify(root, step, kind="state_dict")  # what is left is whole
     coord.close()
 
@@ -78,7 +76,7 @@ def test_a_failed_deletion_is_retried_and_does_not_stop_the_others(make_monitor,
     coord.wait_committed(4, is_state_dict=True, timeout_s=60)
     coord.close()
     ray.kill(first, no_restart=True)
-    assert _steps(root) == {1, 2, 3, 4}
+    assert step_dirs(root) == {1, 2, 3, 4}
 
     # A new monitor on the same root keeps only 2 state dicts; its first deletion fails once.
     monitor = make_monitor(root, run=f"{run_name}-b", max_state_dict_to_keep=2,
@@ -86,13 +84,13 @@ def test_a_failed_deletion_is_retried_and_does_not_stop_the_others(make_monitor,
     assert ray.get(monitor.wait_retention.remote(60))
     st = status(monitor).retention
     assert st.deleted_steps == [2] and "global_step_1" in st.errors[0] and "FailpointError" in st.errors[0]
-    assert _steps(root) == {1, 3, 4} and ckptd.verify(root, 1, kind="state_dict")  # untouched, still whole
+    assert step_dirs(root) == {1, 3, 4} and ckptd.verify(root, 1, kind="state_dict")  # untouched, still whole
 
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
     _save(coord, root, 5, full=False)
     coord.wait_committed(5, is_state_dict=True, timeout_s=60)
     assert ray.get(monitor.wait_retention.remote(60))
-    assert _steps(root) == {4, 5} and status(monitor).retention.errors == []
+    assert step_dirs(root) == {4, 5} and status(monitor).retention.errors == []
     coord.close()
 
 
@@ -117,7 +115,7 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
     assert ray.get(monitor.wait_retention.remote(60))
     # Failed step 1 at once, crashed step 2 (untouched for an hour) too; step 3 was written
     # moments ago, perhaps by a save this monitor has not heard of yet: it stays for now.
-    assert _steps(root) == {3, 4}
+    assert step_dirs(root) == {3, 4}
     # The failed step's records stay: they are what tells a restarted monitor that it failed.
     assert ledger_records(root, 1) != []
     restart_monitor(monitor)

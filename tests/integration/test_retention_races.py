@@ -27,31 +27,17 @@ from .helpers import (
     arm_in_monitor,
     assert_trackers_verified,
     commit_one,
+    held_at,
     in_thread,
     status,
+    step_dirs,
+    two_state_dicts,
     unit_receipt,
     wait_for,
     write_file,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_local")
-
-
-def _held_at(monitor, name: str) -> bool:
-    """Whether a thread of the monitor's process waits in failpoint ``name``."""
-    def look(_self, name=name):
-        import sys
-        for frame in sys._current_frames().values():
-            while frame is not None:
-                if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
-                    return True
-                frame = frame.f_back
-        return False
-    return ray.get(monitor.__ray_call__.remote(look))
-
-
-def _steps(root: str) -> set[int]:
-    return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
 
 
 def test_a_full_checkpoint_whose_state_dict_commits_after_the_snapshot_is_not_deleted(make_monitor, tmp_path):
@@ -69,7 +55,7 @@ def test_a_full_checkpoint_whose_state_dict_commits_after_the_snapshot_is_not_de
     arm_in_monitor(monitor, "before_retention_scan", f"until:60:{gate}")
     try:
         commit_one(coord, 30, "weights.bin", is_state_dict=True)
-        wait_for(lambda: _held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass to reach its scan")
         optim_may_write = threading.Event()
         d = coord.step_dir(5)
 
@@ -84,7 +70,7 @@ def test_a_full_checkpoint_whose_state_dict_commits_after_the_snapshot_is_not_de
     finally:
         open(gate, "w").close()
     assert ray.get(monitor.wait_retention.remote(60))
-    kept = _steps(root)
+    kept = step_dirs(root)
     optim_may_write.set()
     coord.wait_all()
     outcome = in_thread(lambda: coord.wait_committed(5, is_state_dict=False, timeout_s=60), timeout_s=70)
@@ -92,7 +78,7 @@ def test_a_full_checkpoint_whose_state_dict_commits_after_the_snapshot_is_not_de
                        f"its wait_committed then gave {outcome}")
     assert outcome == ("ok", None), outcome
     assert ray.get(monitor.wait_retention.remote(60))
-    assert _steps(root) == {5, 20, 30}  # 10 goes: not among the 2 newest; 5 is the only full checkpoint
+    assert step_dirs(root) == {5, 20, 30}  # 10 goes: not among the 2 newest; 5 is the only full checkpoint
     ckptd.verify(root, 5, kind="checkpoint")
     assert ckptd.latest_step(root) == 5
     assert_trackers_verified(root)
@@ -109,14 +95,11 @@ def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp
     gone."""
     root = str(tmp_path / "ckpt")
     gate = str(tmp_path / "gate")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    monitor, coord = two_state_dicts(make_monitor, root)
     arm_in_monitor(monitor, "before_step_delete", f"until:60:{gate}")
     try:
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: _held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
+        wait_for(lambda: held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
         d = coord.step_dir(1)
         coord.register(1, checkpoint_thread_count=1, wait=False)
         coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
@@ -146,11 +129,8 @@ def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, t
     that receipt."""
     root = str(tmp_path / "ckpt")
     gate = str(tmp_path / "gate")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    monitor, coord = two_state_dicts(make_monitor, root)
     attempt = ray.get(monitor.ping.remote())["attempt"]
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
     arm_in_monitor(monitor, "after_delete_claim", f"until:60:{gate}")
     writing, may_finish = threading.Event(), threading.Event()
     d = coord.step_dir(1)
@@ -162,7 +142,7 @@ def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, t
 
     try:
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: _held_at(monitor, "after_delete_claim"), what="the pass to claim step 1")
+        wait_for(lambda: held_at(monitor, "after_delete_claim"), what="the pass to claim step 1")
         coord.save_async("optim", optim, 1)
         wait_for(lambda: unit_receipt(root, attempt, 1, "w") is not None, what="the unit's receipt")
         assert not writing.wait(1), "the unit was admitted into step 1 while it was claimed for deletion"

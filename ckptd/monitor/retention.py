@@ -63,6 +63,9 @@ class RetentionPlan:
     delete: list[StepEntry] = field(default_factory=list)  # committed, past the policy
     leftovers_failed: list[StepEntry] = field(default_factory=list)  # uncommitted, step failed
     leftovers_idle: list[StepEntry] = field(default_factory=list)  # uncommitted, delete if unchanged
+    # The committed steps counted among the newest max_state_dict_to_keep: the deletions hold
+    # only while each of them stays committed.
+    counted_newest: set[int] = field(default_factory=set)
 
 
 def _newest(steps: list[int], n: int | None) -> set[int]:
@@ -92,7 +95,8 @@ def plan_retention(
     checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds]
     keep = set(protected) | _newest(checkpoints, policy.max_ckpt_to_keep)
     counted = [s for s in committed if s not in withdrawing or Kind.CHECKPOINT in entries[s].kinds]
-    keep |= _newest(counted, policy.max_state_dict_to_keep) | (set(withdrawing) & set(committed))
+    plan.counted_newest = _newest(counted, policy.max_state_dict_to_keep)
+    keep |= plan.counted_newest | (set(withdrawing) & set(committed))
     if policy.keep_every_n_steps:
         keep |= {s for s in committed if s % policy.keep_every_n_steps == 0}
     for step in sorted(entries):
@@ -278,7 +282,7 @@ class RetentionRunner:
         self.deleted: list[int] = []
         self.errors: list[str] = []
         self.claims = DeletionClaims(self._may_delete)
-        self._withdrawing: set[int] = set()  # what the current pass's plan counted as being withdrawn
+        self._counted: set[int] = set()  # the current plan's counted_newest
 
     def release(self) -> None:
         """Let passes run, and run one. Until then :meth:`schedule` only queues a pass: a monitor
@@ -346,8 +350,8 @@ class RetentionRunner:
             log.warning("%s; retrying at the next pass", trash_error)
         failpoints.hit("before_retention_scan")
         entries = scan_steps(self._storage, self._template)
-        self._withdrawing = set(withdrawing)
         plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing)
+        self._counted = plan.counted_newest
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
         # step with a failed kind keeps its records: they are what tells a restarted monitor it
@@ -383,8 +387,9 @@ class RetentionRunner:
         """On the event loop, right before a deletion: not if the step is protected now (in
         flight, a registration or commit of it under way, a tracker target), being withdrawn,
         or if a kind the scan did not see committed has committed or is committing since. A
-        committed step is not deleted either once a state dict the plan counted is being
-        withdrawn: the plan kept too few; another pass follows."""
+        committed step is not deleted either once a state dict the plan counted among the
+        newest is being withdrawn, or was (its state dict failed): the plan kept too few;
+        another pass follows."""
         step = entry.step
         withdrawing = self._ledger.withdrawing_steps()
         if step in self._protected() or step in withdrawing:
@@ -392,7 +397,8 @@ class RetentionRunner:
         if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
                for k in Kind if k not in entry.kinds):
             return False
-        if entry.committed and not withdrawing <= self._withdrawing:
+        if entry.committed and any(s in withdrawing or self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED
+                                   for s in self._counted):
             self._again = True
             return False
         return True

@@ -92,7 +92,13 @@ class UnitReports:
         return None if event == "failed" else {"refused": why}
 
     async def _admit(self, uid: UnitId) -> str | None:
-        deleted = False  # whether retention deleted the step while the unit waited
+        # Whether retention may have deleted the step's ledger records, the unit's receipt with
+        # them: while the unit waited for a deletion, or before its report arrived (a slow report,
+        # or one retried after a monitor died mid-deletion). Retention deletes only steps older
+        # than the newest commit (which the state-dict tracker names, a full checkpoint moving it
+        # too): the units of newer steps cost nothing more.
+        newest = self._trackers.get(SD)
+        deleted = newest is not None and uid.step < newest
         while True:
             # A unit admitted during a commit would not be in it; one admitted while retention
             # deletes the step would write into a directory on its way to the trash.
@@ -104,16 +110,17 @@ class UnitReports:
                 continue
             if not deleted:
                 break
-            # The unit's receipt went with the step's ledger records: a restarted monitor must
-            # still know that the unit runs. Then look again (the write let others run).
+            # A restarted monitor must still know that the unit runs: its receipt is written again.
+            # Then look again (the write let others run).
             deleted = False
             try:
                 await self._in_thread(protocol.write_started, self._storage, self._attempt, uid)
             except Exception as e:  # only a restart before the unit ends would miss it
                 log.warning("step %d: could not write the receipt of %s again after a deletion: %s: %s",
                             uid.step, uid.label, type(e).__name__, e)
-        if self._fenced is not None:
-            return self._fenced
+        fenced = self._fenced or self._retention.fenced
+        if fenced is not None:
+            return fenced
         why = self._ledger.admit(uid, time.time())
         if why is not None:
             await self.durable(uid.step)  # "already failed" is said only once it is recorded

@@ -36,7 +36,7 @@ from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
 from ckptd.monitor.rebuild import rebuild
 from ckptd.monitor.recorder import Recorder
-from ckptd.monitor.retention import RetentionRunner
+from ckptd.monitor.retention_runner import RetentionRunner
 from ckptd.monitor.slots import SlotLeases
 from ckptd.monitor.startup import Startup
 from ckptd.monitor.status import build_status

@@ -196,6 +196,35 @@ def write_started(storage: Storage, attempt: int, unit: UnitId) -> None:
     _write_record(storage, _receipt_path(storage, attempt, unit), _dump(body), durable=False)
 
 
+def restore_started(storage: Storage, attempt: int, unit: UnitId) -> bool:
+    """Write the "started" receipt of ``unit`` if it has none (a retention deletion of its step
+    removed the step's records while its report was on the way), never over one that is there:
+    that may already say how the unit ended. True if it wrote one.
+
+    POSIX: published with a hard link, which fails if the receipt exists. Elsewhere a check, then
+    the write: a unit whose own receipt lands in between (a report that took longer than the
+    unit) is overwritten; its next report replaces the receipt again.
+    """
+    path = _receipt_path(storage, attempt, unit)
+    data = _dump({"unit": unit.to_dict(), "status": "started", "at": time.time()})
+    if not storage.is_posix:
+        if storage.exists(path):
+            return False
+        _write_record(storage, path, data, durable=False)
+        return True
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.restore"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
 def remove_receipt(storage: Storage, attempt: int, unit: UnitId) -> None:
     storage.rm(_receipt_path(storage, attempt, unit))
 

@@ -185,6 +185,11 @@ class StepLedger:
         if self.state_of(unit.step, CKPT) not in (StepState.COMMITTED, StepState.COMMITTING):
             self._unit(unit, now)
 
+    def knows(self, unit: UnitId) -> bool:
+        """Whether the unit was admitted before (its report now is a retry, or came late)."""
+        rec = self._records.get(unit.step)
+        return rec is not None and unit.key in rec.units
+
     def admit(self, unit: UnitId, now: float) -> str | None:
         """A unit is about to write: None if it may, else why not (nothing is recorded then)."""
         if self.state_of(unit.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING):

@@ -99,6 +99,7 @@ class UnitReports:
         # too): the units of newer steps cost nothing more.
         newest = self._trackers.get(SD)
         deleted = newest is not None and uid.step < newest
+        restored = False
         while True:
             # A unit admitted during a commit would not be in it; one admitted while retention
             # deletes the step would write into a directory on its way to the trash.
@@ -108,23 +109,34 @@ class UnitReports:
             if event is not None:
                 await event.wait()
                 continue
-            if not deleted:
+            if not deleted or self._ledger.knows(uid):
                 break
-            # A restarted monitor must still know that the unit runs: its receipt is written again.
-            # Then look again (the write let others run).
+            # A restarted monitor must still know that the unit runs: its receipt is written again
+            # where it is gone. Then look again (the write let others run).
             deleted = False
+            restored = await self._restore_receipt(uid) or restored
+        why = self._fenced or self._retention.fenced
+        if why is None:
+            why = self._ledger.admit(uid, time.time())
+            if why is not None:
+                await self.durable(uid.step)  # "already failed" is said only once it is recorded
+        if why is not None and restored:
+            # Refused: the worker removes its receipt once told, but this report may be a late
+            # copy (through a relay, after the worker timed out) that nobody waits for.
             try:
-                await self._in_thread(protocol.write_started, self._storage, self._attempt, uid)
-            except Exception as e:  # only a restart before the unit ends would miss it
-                log.warning("step %d: could not write the receipt of %s again after a deletion: %s: %s",
+                await self._in_thread(protocol.remove_receipt, self._storage, self._attempt, uid)
+            except Exception as e:  # a restarted monitor then waits for the unit until its timeout
+                log.warning("step %d: could not remove the receipt of refused %s: %s: %s",
                             uid.step, uid.label, type(e).__name__, e)
-        fenced = self._fenced or self._retention.fenced
-        if fenced is not None:
-            return fenced
-        why = self._ledger.admit(uid, time.time())
-        if why is not None:
-            await self.durable(uid.step)  # "already failed" is said only once it is recorded
         return why
+
+    async def _restore_receipt(self, uid: UnitId) -> bool:
+        try:
+            return await self._in_thread(protocol.restore_started, self._storage, self._attempt, uid)
+        except Exception as e:  # only a restart before the unit ends would miss it
+            log.warning("step %d: could not write the receipt of %s again: %s: %s",
+                        uid.step, uid.label, type(e).__name__, e)
+            return False
 
     def _release_slot(self, uid: UnitId) -> None:
         if self._opts.save_strategy is not SaveStrategy.UNRESTRICTED:  # else no unit holds a slot

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
+import pytest
+
 from ckptd import protocol
 from ckptd.config import Kind
 from ckptd.manifest import FileEntry
@@ -75,3 +80,20 @@ def test_a_record_written_while_its_step_is_cleaned_up_is_written_again(tmp_path
         assert storage.removed == 1
         (pending,) = protocol.load_pending(storage, 1)
         assert pending.started or pending.finished or pending.failed or pending.failure_reasons
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_restored_started_receipt_never_replaces_one_that_is_there(tmp_path, where):
+    """The monitor writes a "started" receipt again only where a retention deletion removed it:
+    a late report must never turn a finished (or failed) unit back into a running one."""
+    storage = Storage(str(tmp_path / "root") if where == "local" else f"memory://protocol-{uuid.uuid4().hex[:8]}/r")
+    done, gone = _unit("w", "optim"), _unit("w", "model")
+    protocol.write_finished(storage, 1, done, [FileEntry(path="x", size=1, crc32="0")])
+    assert protocol.restore_started(storage, 1, done) is False
+    assert protocol.restore_started(storage, 1, gone) is True
+    assert protocol.restore_started(storage, 1, gone) is False  # there now: left as it is
+    (pending,) = protocol.load_pending(storage, 1)
+    assert set(pending.finished) == {done} and set(pending.started) == {gone}
+    if where == "local":  # no temporary file left behind
+        names = os.listdir(os.path.dirname(protocol._receipt_path(storage, 1, gone)))
+        assert sorted(names) == sorted(f"unit-{u.call}.json" for u in (done, gone))

@@ -254,8 +254,12 @@ def test_held_a_registration_waiting_for_a_deletion_that_fails_goes_on(make_moni
         open(gate, "w").close()
     assert early[0] != "ok", early
     assert ray.get(monitor.wait_retention.remote(30))
-    assert any("could not delete" in e for e in status(monitor).retention.errors), status(monitor).retention.errors
-    os.remove(os.path.join(root, ".ckptd", "trash"))
+    # The deletion failed (a later pass, after step 1's full checkpoint commits, may have run
+    # since: its errors replace the held pass's, and its trash clean-up removes the file).
+    assert 1 not in status(monitor).retention.deleted_steps and os.path.exists(os.path.join(d, "weights.bin"))
+    trash = os.path.join(root, ".ckptd", "trash")
+    if os.path.isfile(trash):
+        os.remove(trash)
     assert in_thread(lambda: coord.wait_committed(1, is_state_dict=False, timeout_s=15), timeout_s=20) == ("ok", None)
     assert in_thread(lambda: coord.wait_all(), timeout_s=10)[0] == "ok"
     assert ray.get(monitor.__ray_call__.remote(lambda self: dict(self._retention.claims.deleting))) == {}

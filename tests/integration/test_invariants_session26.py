@@ -32,6 +32,7 @@ from .helpers import (
     status,
     step_dirs,
     two_state_dicts,
+    wait_all,
     wait_for,
     write_file,
 )
@@ -68,18 +69,12 @@ def test_a_running_state_dict_unit_of_a_committed_state_dict_keeps_its_step(make
         kept = step_dirs(root)
     finally:
         may_finish.set()
-    in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
+    in_thread(lambda: wait_all(coord), timeout_s=30)
     assert 1 not in deleted and 1 in kept, (
         f"retention deleted step 1 while a unit of it, admitted and still running, wrote into it "
         f"(deleted {deleted}, on disk {sorted(kept)})")
     coord.close()
 
-
-def wait_all_quiet(coord) -> None:
-    try:
-        coord.wait_all()
-    except ckptd.CheckpointSaveError:
-        pass
 
 
 def _set_loop_call_timeout(monitor, seconds: float) -> None:
@@ -170,13 +165,13 @@ def test_a_claim_that_times_out_on_a_busy_loop_is_not_left_behind(make_monitor, 
                 self._retention.claims.release(step)
         ray.get(monitor.__ray_call__.remote(let_go))
         registered.wait(30)
-        in_thread(lambda: wait_all_quiet(coord), timeout_s=20)
+        in_thread(lambda: wait_all(coord), timeout_s=20)
         coord.close()
     assert outcome[0] != "hung" and not leaked, (
         f"no pass runs, yet steps {leaked} stay claimed for deletion; a registration of step 1 "
         f"then waits forever: {outcome}")
     coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
-    assert in_thread(lambda: wait_all_quiet(coord), timeout_s=10)[0] == "ok"
+    assert in_thread(lambda: wait_all(coord), timeout_s=10)[0] == "ok"
     assert_trackers_verified(root)
     coord.close()
 
@@ -221,7 +216,7 @@ def test_a_withdrawal_that_begins_after_the_snapshot_does_not_cost_an_older_stat
         open(scan_gate, "w").close()
         open(revoke_gate, "w").close()
     wait_for(lambda: ckptd.latest_step(root, "state_dict") == 2, what="state dict 3 to be withdrawn")
-    in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
+    in_thread(lambda: wait_all(coord), timeout_s=30)
     assert ray.get(monitor.wait_retention.remote(30))
     committed_sd = sorted(s for s in step_dirs(root)
                           if os.path.exists(os.path.join(ckptd.step_dir(root, s), MANIFESTS[Kind.STATE_DICT])))

@@ -38,18 +38,13 @@ from .helpers import (
     step_dirs,
     two_state_dicts,
     unit_receipt,
+    wait_all,
     wait_for,
     write_file,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-
-def wait_all_quiet(coord) -> None:
-    try:
-        coord.wait_all()
-    except ckptd.CheckpointSaveError:
-        pass
 
 
 def _committed_state_dicts(root: str) -> list[int]:
@@ -111,7 +106,7 @@ def test_a_withdrawal_that_ends_between_the_scan_and_the_claim_does_not_cost_an_
                  what="state dict 4 to be withdrawn, to the end")
     finally:
         open(gate, "w").close()
-    in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
+    in_thread(lambda: wait_all(coord), timeout_s=30)
     assert ray.get(monitor.wait_retention.remote(30))
     deleted = status(monitor).retention.deleted_steps
     committed_sd = _committed_state_dicts(root)
@@ -171,7 +166,7 @@ def test_a_unit_that_waited_for_a_deletion_the_monitor_died_in_keeps_its_receipt
             f"{known_after}")
     finally:
         may_finish.set()
-    in_thread(lambda: wait_all_quiet(coord), timeout_s=30)
+    in_thread(lambda: wait_all(coord), timeout_s=30)
     coord.close()
 
 

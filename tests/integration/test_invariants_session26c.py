@@ -31,18 +31,13 @@ from .helpers import (
     node_relay,
     restart_monitor,
     unit_receipt,
+    wait_all,
     wait_for,
     write_file,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-
-def wait_all_quiet(coord) -> None:
-    try:
-        coord.wait_all()
-    except ckptd.CheckpointSaveError:
-        pass
 
 
 def _unit_state(monitor, step: int, worker: str) -> str | None:
@@ -104,7 +99,7 @@ def test_a_late_relayed_started_report_does_not_overwrite_the_finished_receipt(m
         # The relay delivers what it held: A's "started" (then A's "finished", a retry).
         wait_for(lambda: ray.get(relay.stats.remote())["forwarded"] >= forwarded + 2, timeout_s=30,
                  what="the relay to deliver A's stale reports")
-        assert in_thread(lambda: wait_all_quiet(coord), timeout_s=20)[0] == "ok"
+        assert in_thread(lambda: wait_all(coord), timeout_s=20)[0] == "ok"
         receipt = unit_receipt(root, attempt, 1, "w")
         known = _unit_state(monitor, 1, "w")
         restart_monitor(monitor)
@@ -113,7 +108,7 @@ def test_a_late_relayed_started_report_does_not_overwrite_the_finished_receipt(m
         b_go.set()
     committed = in_thread(lambda: other.wait_committed(1, is_state_dict=False, timeout_s=10), timeout_s=25)
     states = ledger_states(monitor, 1)
-    in_thread(lambda: wait_all_quiet(other), timeout_s=20)
+    in_thread(lambda: wait_all(other), timeout_s=20)
     coord.close()
     other.close()
     assert receipt is not None and receipt["status"] == "finished" and committed == ("ok", None), (

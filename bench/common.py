@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
 from ckptd.storage import Storage
@@ -19,6 +18,8 @@ MiB = 1 << 20
 def connect_ray() -> bool:
     """Join the cluster ``RAY_ADDRESS`` names (the test suite passes its own: no second start-up),
     or start a local one with 2 CPUs; True if this call started or joined it."""
+    import ray  # here, so the GPU scenario (bench.gpu) runs where Ray is not installed
+
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):

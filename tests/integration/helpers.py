@@ -702,3 +702,23 @@ def two_state_dicts(make_monitor, root: str):
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
     commit_one(coord, 2, "weights.bin", is_state_dict=True)
     return monitor, coord
+
+
+def checkpoint_step1_while_deleted(make_monitor, root: str, gate: str, failpoint: str, while_held=None):
+    """:func:`two_state_dicts`, then state dict 3, whose retention pass deletes step 1, held at
+    ``failpoint`` (in the monitor) until the file ``gate`` exists. While it is held, a full
+    checkpoint of step 1 is registered in the background and its unit (optim.bin) queued, and
+    ``while_held(coord)`` runs; then the gate opens. Returns (monitor, coordinator, what
+    ``while_held`` returned)."""
+    monitor, coord = two_state_dicts(make_monitor, root)
+    arm_in_monitor(monitor, failpoint, f"until:60:{gate}")
+    try:
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+        wait_for(lambda: held_at(monitor, failpoint), what=f"the pass to be held at {failpoint}")
+        d = coord.step_dir(1)
+        coord.register(1, checkpoint_thread_count=1, wait=False)
+        coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
+        seen = while_held(coord) if while_held is not None else None
+    finally:
+        open(gate, "w").close()
+    return monitor, coord, seen

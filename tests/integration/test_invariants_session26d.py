@@ -17,15 +17,12 @@ import ckptd
 from ckptd.layout import Kind
 
 from .helpers import (
-    arm_in_monitor,
     assert_trackers_verified,
-    commit_one,
-    held_at,
+    checkpoint_step1_while_deleted,
     in_thread,
     read_manifest,
     restart_monitor,
     two_state_dicts,
-    wait_for,
     write_file,
 )
 
@@ -37,16 +34,7 @@ CKPT = Kind.CHECKPOINT
 def _fail_step1_ckpt_after_deletion(make_monitor, root, gate):
     """Step 1's full checkpoint is registered while retention holds step 1 claimed; after the
     deletion its unit writes into a fresh directory; the commit check fails (weights.bin gone)."""
-    monitor, coord = two_state_dicts(make_monitor, root)
-    arm_in_monitor(monitor, "after_delete_claim", f"until:60:{gate}")
-    try:
-        commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: held_at(monitor, "after_delete_claim"), what="the pass to claim step 1")
-        d = coord.step_dir(1)
-        coord.register(1, checkpoint_thread_count=1, wait=False)
-        coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
-    finally:
-        open(gate, "w").close()
+    monitor, coord, _ = checkpoint_step1_while_deleted(make_monitor, root, gate, "after_delete_claim")
     coord.wait_all()
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_committed(1, is_state_dict=False, timeout_s=60)

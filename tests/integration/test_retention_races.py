@@ -26,6 +26,7 @@ from ckptd.layout import MANIFESTS
 from .helpers import (
     arm_in_monitor,
     assert_trackers_verified,
+    checkpoint_step1_while_deleted,
     commit_one,
     held_at,
     in_thread,
@@ -94,18 +95,9 @@ def test_a_unit_of_a_step_being_deleted_waits_for_the_deletion(make_monitor, tmp
     directory the pass then moved into the trash: the checkpoint tracker named a step that was
     gone."""
     root = str(tmp_path / "ckpt")
-    gate = str(tmp_path / "gate")
-    monitor, coord = two_state_dicts(make_monitor, root)
-    arm_in_monitor(monitor, "before_step_delete", f"until:60:{gate}")
-    try:
-        commit_one(coord, 3, "weights.bin", is_state_dict=True)
-        wait_for(lambda: held_at(monitor, "before_step_delete"), what="the pass to reach step 1's deletion")
-        d = coord.step_dir(1)
-        coord.register(1, checkpoint_thread_count=1, wait=False)
-        coord.save_async("optim", lambda: write_file(f"{d}/optim.bin", os.urandom(512)), 1)
-        early = in_thread(lambda: coord.wait_committed(1, is_state_dict=False, timeout_s=3), timeout_s=10)
-    finally:
-        open(gate, "w").close()
+    monitor, coord, early = checkpoint_step1_while_deleted(
+        make_monitor, root, str(tmp_path / "gate"), "before_step_delete",
+        lambda coord: in_thread(lambda: coord.wait_committed(1, is_state_dict=False, timeout_s=3), timeout_s=10))
     assert early[0] != "ok", f"step 1's full checkpoint committed while its directory was being deleted: {early}"
     assert ray.get(monitor.wait_retention.remote(60))
     assert 1 in status(monitor).retention.deleted_steps

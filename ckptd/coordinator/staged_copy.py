@@ -2,10 +2,11 @@
 progress published so a write can stream behind it, and shared between the staging thread
 (from the front) and a thread waiting at the fence (from the back).
 
-GPU sources are copied on a side stream with asynchronous device-to-host copies into pinned
-buffers: the copy is ordered after the work the caller's stream had queued when the save was
-called (an event), overlaps whatever the training loop queues next, and each tensor is published
-as staged when its own copy has landed (an event per tensor), never by synchronizing the device.
+GPU sources are copied on a stream private to ckptd (:mod:`ckptd.coordinator.cuda_streams`),
+with asynchronous device-to-host copies into pinned buffers: the copy is ordered after the work
+the caller's stream had queued when the save was called (an event), overlaps whatever the
+training loop queues next, and each tensor is published as staged when its own copy has landed
+(an event per tensor), never by synchronizing the device.
 
 Measured on the 2-core development VM (768 MiB in 16 MiB tensors, fenced, the fence called right
 after the save call or after a 14 ms GIL-bound step): the fence waited 29 and 18 ms with the
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptd import failpoints
+from ckptd.coordinator import cuda_streams
 from ckptd.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -60,7 +62,8 @@ class StagedCopy:
         self._first.append(len(self._chunks))
         # The work each GPU's stream had queued when the save was called: the copies wait for it
         # (the tensors are as that work leaves them), and for nothing queued later.
-        self._called = _record_current_streams(self._pairs) if self._cuda else {}
+        self._called = (cuda_streams.record_current({src.device.index for src, _ in self._pairs
+                                                     if src.device.type == "cuda"}) if self._cuda else {})
         self._front, self._back = 0, len(self._chunks)  # the chunks not claimed yet: [front, back)
         if self._cuda:
             self._back = 0  # a GPU copy is issued by run() alone; help() has nothing to claim
@@ -93,9 +96,11 @@ class StagedCopy:
                 self._cond.notify_all()
 
     def _copy_from_gpu(self) -> None:
-        """Issue every copy on a side stream of its GPU, then publish each tensor in order as
-        its copy lands. The sources stay referenced (``_pairs``) until then, so the caching
-        allocator cannot hand their memory to other work while a copy still reads it."""
+        """Issue every copy on this thread's staging stream of its GPU, then publish each tensor in
+        order as its copy lands. The sources stay referenced (``_pairs``) until then, so the
+        caching allocator cannot hand their memory to other work while a copy still reads it;
+        however this ends (an error, an interrupt), it ends only once no copy writes into the
+        buffers any more, since they are handed back after it."""
         landed: list[tuple[int, Any]] = []  # (leaf, event or None for a host source copied at once)
         try:
             with torch.no_grad():
@@ -104,23 +109,23 @@ class StagedCopy:
                         dst.copy_(src.detach())
                         landed.append((i, None))
                         continue
-                    stream = _side_stream(src.device, self._called)
+                    stream = cuda_streams.copy_stream(src.device.index, self._called)
                     with torch.cuda.stream(stream):
                         dst.copy_(src.detach(), non_blocking=True)
-                        landed.append((i, stream.record_event()))
+                    landed.append((i, cuda_streams.landed_event(stream)))
+            for i, event in landed:
+                if event is not None:
+                    event.synchronize()  # sleeps, without the GIL, while the copy engine works
+                with self._cond:
+                    self._done[self._first[i]] = True
+                    while self._prefix < len(self._done) and self._done[self._prefix]:
+                        self._prefix += 1
+                    self._cond.notify_all()
         except BaseException:
-            for _, event in landed:  # the buffers go back only once nothing writes into them
+            for _, event in landed:
                 if event is not None:
                     event.synchronize()
             raise
-        for i, event in landed:
-            if event is not None:
-                event.synchronize()  # releases the GIL while the copy engine works
-            with self._cond:
-                self._done[self._first[i]] = True
-                while self._prefix < len(self._done) and self._done[self._prefix]:
-                    self._prefix += 1
-                self._cond.notify_all()
 
     def help(self) -> int:
         """Copy chunks from the end until none is left to claim; the bytes copied here. A copy
@@ -226,27 +231,3 @@ class StagedCopy:
         if self.error is not None:
             err = self.error
             raise CheckpointError(f"staging the state failed: {type(err).__name__}: {err}") from err
-
-
-_side_streams: dict[int, Any] = {}  # GPU index -> the stream staging copies run on
-_side_lock = threading.Lock()
-
-
-def _record_current_streams(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[int, Any]:
-    """An event on the calling thread's current stream of each GPU that holds a source."""
-    devices = {src.device.index if src.device.index is not None else torch.cuda.current_device()
-               for src, _ in pairs if src.device.type == "cuda"}
-    return {d: torch.cuda.current_stream(d).record_event() for d in devices}
-
-
-def _side_stream(device: torch.device, called: dict[int, Any]) -> Any:
-    """This GPU's staging stream, made to wait for the work queued before the save was called."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _side_lock:
-        stream = _side_streams.get(index)
-        if stream is None:
-            stream = _side_streams[index] = torch.cuda.Stream(device=index)
-    event = called.pop(index, None)
-    if event is not None:
-        stream.wait_event(event)
-    return stream

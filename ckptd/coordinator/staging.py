@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from ckptd.threads import lower_priority
 from ckptd.workers.dtensor import is_dtensor, local_tensor
 from ckptd.workers.safetensors_io import SafetensorsPlan
 from ckptd.workers.state_dict import map_tensors
+
+_log = logging.getLogger(__name__)
 
 
 def tensors_of(state: Any) -> list[torch.Tensor]:
@@ -71,7 +75,8 @@ _uids = itertools.count(1)
 
 class BufferSet:
     """Host tensors shaped like one state's tensors: pinned for GPU sources, or in shared memory
-    (``shared``) for a writer in another process, which then reads them without a copy. ``uid``
+    (``shared``) for a writer in another process, which then reads them without a copy (page-locked
+    in place for GPU sources, so their copies are as fast as into pinned memory). ``uid``
     names the set for the life of the process (a writer process holds sets by it).
 
     With ``plan`` (the safetensors file the default writer will make of the state), CPU tensors
@@ -90,6 +95,7 @@ class BufferSet:
             self.image, self.tensors = _image(leaves, plan, shared)
         elif shared:
             self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for t in leaves]
+            _page_lock(self, [b for b, t in zip(self.tensors, leaves, strict=True) if t.device.type == "cuda"])
         else:
             self.tensors = [
                 torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
@@ -102,6 +108,37 @@ class BufferSet:
     def shared_tensors(self) -> list[torch.Tensor]:
         """What a writer process is sent: the tensors, then the image if there is one."""
         return self.tensors if self.image is None else [*self.tensors, self.image]
+
+
+def _page_lock(owner: object, buffers: list[torch.Tensor]) -> None:
+    """Page-lock shared-memory ``buffers`` in place (``cudaHostRegister``), so copies from a GPU
+    into them run as into pinned memory: asynchronous, at full speed. They are unregistered when
+    ``owner`` goes. A buffer the driver will not register stays pageable: its copies are slower
+    and synchronous, with the same bytes.
+
+    The calls run on a thread of their own: CUDA keeps a failed call's error as the calling
+    thread's last error, which PyTorch would report at that thread's next kernel launch."""
+    if not buffers:
+        return
+    cudart = torch.cuda.cudart()
+
+    def register() -> None:
+        for b in buffers:
+            nbytes = b.numel() * b.element_size()
+            if nbytes == 0:
+                continue
+            ptr = b.data_ptr()
+            err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+            if err != 0:
+                _log.warning("could not page-lock a %d-byte staging buffer (CUDA error %d); copies into it "
+                             "run from pageable memory, slower", nbytes, err)
+                continue
+            # Not at exit: the CUDA context may be gone by then, and the process's memory with it.
+            weakref.finalize(owner, cudart.cudaHostUnregister, ptr).atexit = False
+
+    t = threading.Thread(target=register, name="ckptd-page-lock")
+    t.start()
+    t.join()
 
 
 def _image_fits(leaves: list[torch.Tensor], plan: SafetensorsPlan) -> bool:
@@ -305,9 +342,9 @@ class StagingArea:
             if stager is None:
                 stager = self._stagers[name] = Stager(self._max_staged, self._shared)
         buf = stager.acquire(leaves, plan)
-        copy_job = StagedCopy(leaves, buf)
         started = False
         try:
+            copy_job = StagedCopy(leaves, buf)  # inside: it records CUDA events, which can fail
             if fenced:
                 self._staging_thread().submit(copy_job)
                 started = True

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptd.coordinator.staging import StagingArea, rebuild, tensors_of
+from ckptd.coordinator import cuda_streams
+from ckptd.coordinator.staging import BufferSet, StagingArea, rebuild, tensors_of
 from tests.unit.helpers import write_streamed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -78,6 +79,40 @@ def test_a_fenced_copy_does_not_wait_for_work_queued_after_the_save():
     finally:
         snap.release()
     after.synchronize()
+
+
+def test_the_staging_stream_is_private_to_its_thread_and_never_one_of_pytorchs_pool():
+    """PyTorch's pool hands the same few streams out in turn (the training loop's, FSDP's,
+    NCCL's): a staging copy on one of them would queue behind the work queued after the save."""
+    import threading
+
+    mine = cuda_streams.copy_stream(0, {})
+    assert cuda_streams.copy_stream(0, {}) is mine  # one per thread and GPU, reused
+    other = []
+    t = threading.Thread(target=lambda: other.append(cuda_streams.copy_stream(0, {})))
+    t.start()
+    t.join()
+    pool = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(80)}
+    taken = pool | {torch.cuda.current_stream().cuda_stream, torch.cuda.default_stream().cuda_stream}
+    assert mine.cuda_stream not in taken and other[0].cuda_stream not in taken
+    assert other[0].cuda_stream != mine.cuda_stream
+
+
+def test_shared_buffers_for_a_writer_process_are_page_locked_in_place_and_released_with_their_set():
+    state = _state(16)
+    area = StagingArea(1, "stage", shared=True)  # writer="process"
+    snap = area.snapshot("m", state, tensors_of(state), fenced=True)
+    area.fence()
+    for k, v in state.items():
+        staged = snap.state[k]
+        assert staged.is_shared() and torch.equal(staged, v.cpu()), k
+        assert staged.is_pinned() == (v.is_cuda and v.numel() > 0), k
+    snap.release()
+    buf = BufferSet([state["w0"]], shared=True)
+    kept = buf.tensors[0]
+    assert kept.is_pinned()
+    del buf  # the set goes: its buffer is unregistered (the memory itself lives on in ``kept``)
+    assert not kept.is_pinned()
 
 
 def test_a_write_streams_behind_a_gpu_copy_and_holds_the_state(tmp_path):

@@ -7,7 +7,8 @@ run). Every method copies the same state, a list of CUDA tensors, in interleaved
   the stream synchronized;
 * ``tensor.to("cpu", non_blocking=True)``: the same, into pinned memory it allocates (cached);
 * ckptd eager: the staging layer's copy (:class:`~ckptd.coordinator.staging.StagingArea`) on
-  the training thread;
+  the training thread; and the same into the shared-memory buffers of ``writer="process"``
+  (page-locked in place), beside a plain copy into pageable shared memory;
 * ckptd fenced: the save call returns at once, a forward/backward stand-in (matrix products
   queued on the training stream for about twice the copy's time) runs, then the fence; blocked
   is the call plus the fence;
@@ -97,7 +98,9 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
     count = max(1, mib // args.tensor_mib)
     state = {f"layer{i}.weight": torch.randn(n, device=device, dtype=torch.bfloat16) for i in range(count)}
     pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device == "cuda") for k, v in state.items()}
+    pageable = {k: torch.empty(v.shape, dtype=v.dtype).share_memory_() for k, v in state.items()}
     area = StagingArea(1, "ckptd-stage")
+    shared_area = StagingArea(1, "ckptd-stage-shared", shared=True)  # writer="process": shared memory
     leaves = tensors_of(state)
 
     def limit() -> float:
@@ -115,9 +118,16 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
         del out
         return elapsed
 
-    def eager() -> float:
+    def to_pageable_shared() -> float:
         t0 = time.perf_counter()
-        snap = area.snapshot("eager", state, leaves, fenced=False)
+        for k, v in state.items():
+            pageable[k].copy_(v, non_blocking=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def eager(staging: StagingArea = area) -> float:
+        t0 = time.perf_counter()
+        snap = staging.snapshot("eager", state, leaves, fenced=False)
         elapsed = time.perf_counter() - t0
         snap.release()
         return elapsed
@@ -197,6 +207,8 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
         "copy limit (copy_ non_blocking into pinned)": limit,
         'tensor.to("cpu", non_blocking=True)': to_cpu,
         "ckptd eager": eager,
+        "copy into shared memory, pageable": to_pageable_shared,
+        'ckptd eager, shared buffers (writer="process")': partial(eager, shared_area),
         "ckptd fenced": fenced,
         "dcp.async_save (default)": dcp_default,
         "stand-in step alone (not a save)": step_alone,

@@ -16,7 +16,7 @@ run). Every method copies the same state, a list of CUDA tensors, in interleaved
   the call plus the wait for staging after the same stand-in, as for the fence).
 
 The coordinator's Ray round trips are not part of this: Ray need not be installed where this
-runs, and they are measured by ``python -m bench`` (P1 on the CPU). ratios are median blocked
+runs, and they are measured by ``python -m bench`` (P1 on the CPU). Ratios are median blocked
 time over the copy limit's median in the same rounds, with a bootstrap 95 % interval.
 """
 

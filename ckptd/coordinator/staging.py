@@ -95,7 +95,8 @@ class BufferSet:
             self.image, self.tensors = _image(leaves, plan, shared)
         elif shared:
             self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for t in leaves]
-            _page_lock(self, [b for b, t in zip(self.tensors, leaves, strict=True) if t.device.type == "cuda"])
+            gpu = [(b, t.device.index) for b, t in zip(self.tensors, leaves, strict=True) if t.device.type == "cuda"]
+            _page_lock(self, [b for b, _ in gpu], gpu[0][1] if gpu else 0)
         else:
             self.tensors = [
                 torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
@@ -110,19 +111,22 @@ class BufferSet:
         return self.tensors if self.image is None else [*self.tensors, self.image]
 
 
-def _page_lock(owner: object, buffers: list[torch.Tensor]) -> None:
+def _page_lock(owner: object, buffers: list[torch.Tensor], device: int) -> None:
     """Page-lock shared-memory ``buffers`` in place (``cudaHostRegister``), so copies from a GPU
     into them run as into pinned memory: asynchronous, at full speed. They are unregistered when
     ``owner`` goes. A buffer the driver will not register stays pageable: its copies are slower
     and synchronous, with the same bytes.
 
     The calls run on a thread of their own: CUDA keeps a failed call's error as the calling
-    thread's last error, which PyTorch would report at that thread's next kernel launch."""
+    thread's last error, which PyTorch would report at that thread's next kernel launch. That
+    thread first makes ``device`` (a GPU the sources are on) its current one: left at GPU 0, its
+    first call would open a context there, on a GPU the process may not otherwise use."""
     if not buffers:
         return
     cudart = torch.cuda.cudart()
 
     def register() -> None:
+        torch.cuda.set_device(device)
         for b in buffers:
             nbytes = b.numel() * b.element_size()
             if nbytes == 0:

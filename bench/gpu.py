@@ -103,12 +103,14 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
     shared_area = StagingArea(1, "ckptd-stage-shared", shared=True)  # writer="process": shared memory
     leaves = tensors_of(state)
 
-    def limit() -> float:
+    def copy_into(buffers: dict[str, torch.Tensor]) -> float:
         t0 = time.perf_counter()
         for k, v in state.items():
-            pinned[k].copy_(v, non_blocking=True)
+            buffers[k].copy_(v, non_blocking=True)
         _sync(device)
         return time.perf_counter() - t0
+
+    limit = partial(copy_into, pinned)
 
     def to_cpu() -> float:
         t0 = time.perf_counter()
@@ -117,13 +119,6 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - t0
         del out
         return elapsed
-
-    def to_pageable_shared() -> float:
-        t0 = time.perf_counter()
-        for k, v in state.items():
-            pageable[k].copy_(v, non_blocking=True)
-        _sync(device)
-        return time.perf_counter() - t0
 
     def eager(staging: StagingArea = area) -> float:
         t0 = time.perf_counter()
@@ -207,7 +202,7 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
         "copy limit (copy_ non_blocking into pinned)": limit,
         'tensor.to("cpu", non_blocking=True)': to_cpu,
         "ckptd eager": eager,
-        "copy into shared memory, pageable": to_pageable_shared,
+        "copy into shared memory, pageable": partial(copy_into, pageable),
         'ckptd eager, shared buffers (writer="process")': partial(eager, shared_area),
         "ckptd fenced": fenced,
         "dcp.async_save (default)": dcp_default,
@@ -216,33 +211,31 @@ def measure(mib: int, args: argparse.Namespace) -> dict:
     if stagers:
         methods["dcp.async_save (pinned async stager, reused)"] = partial(dcp_pinned_async, True)
         methods["dcp.async_save (pinned async stager, new each save)"] = partial(dcp_pinned_async, False)
-    errors = {}
-    for name, run in list(methods.items()):  # warm-up: buffers, the host allocator's cache, DCP's plans
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - an alternative this torch cannot run is reported, not fatal
-            if name.startswith("ckptd") or name.startswith("copy limit"):
-                raise
-            errors[name] = f"{type(e).__name__}: {e}"
-            del methods[name]
+    errors: dict[str, str] = {}
+
+    def guarded(name: str, run: Callable[[], float], when: str = "") -> Callable[[], float]:
+        """``run``, where an alternative that fails (one this torch cannot run) is reported in
+        ``errors`` and not run again, instead of ending the bench; ckptd's and the limit's raise."""
+        def call() -> float:
+            if name in errors:
+                return float("nan")
+            try:
+                return run()
+            except Exception as e:  # noqa: BLE001 - reported with the results
+                if name.startswith(("ckptd", "copy limit")):
+                    raise
+                errors[name] = f"{type(e).__name__}: {e}{when}"
+                return float("nan")
+        return call
+
+    for name, run in methods.items():  # warm-up: buffers, the host allocator's cache, DCP's plans
+        guarded(name, run)()
+    for name in errors:
+        del methods[name]
     try:
         for v in steps.values():
             v.clear()  # the warm-up's
-
-        def guarded(name: str, run: Callable[[], float]) -> Callable[[], float]:
-            def call() -> float:
-                if name in errors:
-                    return float("nan")
-                try:
-                    return run()
-                except Exception as e:  # noqa: BLE001 - as in the warm-up: an alternative's failure is reported
-                    if name.startswith("ckptd") or name.startswith("copy limit"):
-                        raise
-                    errors[name] = f"{type(e).__name__}: {e} (in a measured round)"
-                    return float("nan")
-            return call
-
-        runs = [guarded(name, run) for name, run in methods.items()]
+        runs = [guarded(name, run, " (in a measured round)") for name, run in methods.items()]
         samples = dict(zip(methods, interleave_rounds(runs, args.rounds), strict=True))
         for name in errors:
             samples.pop(name, None)

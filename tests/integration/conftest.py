@@ -9,8 +9,6 @@ import ray
 
 import ckptd
 
-from .helpers import SPARE_WORKERS, top_up_workers
-
 _runs = itertools.count()
 
 
@@ -20,8 +18,7 @@ def start_ray(runtime_env: dict | None = None) -> None:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env=runtime_env, _system_config={"num_workers_soft_limit": SPARE_WORKERS + 6})
-    top_up_workers()
+             runtime_env=runtime_env)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +51,6 @@ def make_monitor(ray_local, tmp_path, run_name):
         handle = ckptd.start_monitor(root or str(tmp_path / "ckpt"), run=run or run_name,
                                      storage_options=storage_options, **options)
         handles.append(handle)
-        top_up_workers()
         return handle
 
     yield make
@@ -72,7 +68,6 @@ def shared_monitor(ray_local, tmp_path_factory, request):
     root = str(base / "ckpt")
     monitor = ckptd.start_monitor(root, run=f"{name}-{os.getpid()}",
                                   **getattr(request.module, "SHARED_MONITOR_OPTIONS", {}))
-    top_up_workers()
     yield root, monitor
     ray.kill(monitor, no_restart=True)
     shutil.rmtree(base, ignore_errors=True)

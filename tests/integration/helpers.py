@@ -95,29 +95,9 @@ def failpoint_env(spec: str, once_dir=None) -> dict:
     return {"env_vars": env}
 
 
-#: Idle Ray worker processes kept ready for the next actor (see ``top_up_workers``).
-SPARE_WORKERS = 2
-
-
-@ray.remote(num_cpus=0)
-def _spare() -> None:
-    """Nothing: running it leaves its worker process idle in Ray's pool."""
-
-
-def top_up_workers() -> None:
-    """Every actor (a monitor, a relay) takes a Python process of its own from Ray's worker pool,
-    which starts a new one when none is idle: half a second here, two or more on a loaded machine,
-    a quarter of the suite's time. A task's worker stays idle afterwards, so a few no-op tasks,
-    not waited for, let Ray start the next actors' processes while the test runs. The soft limit
-    in ``conftest.start_ray`` keeps them from being reaped while other actors are alive."""
-    for _ in range(SPARE_WORKERS):
-        _spare.remote()
-
-
 def restart_monitor(monitor, how: str = "ray.kill") -> None:
     """Kill the monitor's process and wait until Ray has restarted it."""
     before = ray.get(monitor.ping.remote())
-    top_up_workers()  # a process ready for the restarted actor
     if how == "ray.kill":
         ray.kill(monitor, no_restart=False)
     else:

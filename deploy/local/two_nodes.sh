@@ -103,26 +103,63 @@ done
 address=$(cat "$work/h/ray_current_cluster")  # host:port of the head node's GCS
 
 # The worker node: its own mount namespace, where $worker_src is mounted at $mnt.
-setsid unshare --user --map-root-user --mount -- sh -c 'mount --bind "$1" "$2" && shift 2 && exec "$@"' \
-  sh "$worker_src" "$mnt" \
-  "$PYTHON" -m ray.scripts.scripts start "${common[@]}" --address "$address" --temp-dir "$work/w" \
-  --dashboard-agent-listen-port "$agent2" --dashboard-agent-grpc-port "$agent_grpc2" \
-  --metrics-export-port "$metrics2" --runtime-env-agent-port "$runtime_env2" \
-  --node-manager-port "$nm2" --object-manager-port "$om2" >"$work/worker.log" 2>&1 &
-pids+=($!)
-disown
+start_worker_node() {
+  setsid unshare --user --map-root-user --mount -- sh -c 'mount --bind "$1" "$2" && shift 2 && exec "$@"' \
+    sh "$worker_src" "$mnt" \
+    "$PYTHON" -m ray.scripts.scripts start "${common[@]}" --address "$address" --temp-dir "$work/w" \
+    --dashboard-agent-listen-port "$agent2" --dashboard-agent-grpc-port "$agent_grpc2" \
+    --metrics-export-port "$metrics2" --runtime-env-agent-port "$runtime_env2" \
+    --node-manager-port "$nm2" --object-manager-port "$om2" >"$work/worker.log" 2>&1 &
+  pids+=($!)
+  disown
+}
 
-# Wait for both nodes to be alive in the cluster.
-RAY_ADDRESS=$address "$PYTHON" - <<'PY' || { tail -n 30 "$work/head.log" "$work/worker.log" >&2; exit 1; }
-import logging, time
+# Wait for both nodes to be alive in the cluster: exit 0 once they are, 3 if the worker node's
+# `ray start` ended first (setsid, unshare and sh exec it, so it is the last pid started).
+wait_for_worker_node() {
+  RAY_ADDRESS=$address WORKER_PID=${pids[-1]} "$PYTHON" - <<'PY'
+import logging, os, sys, time
 import ray
+
+
+def ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 ray.init(logging_level=logging.ERROR, log_to_driver=False)
 deadline = time.monotonic() + 120
 while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+    if ended(int(os.environ["WORKER_PID"])):
+        sys.exit(3)
     if time.monotonic() > deadline:
-        raise SystemExit("two_nodes.sh: the worker node did not join the cluster within 120 s")
+        sys.exit("two_nodes.sh: the worker node did not join the cluster within 120 s")
     time.sleep(0.2)
 PY
+}
+
+# Ray gives a starting node 30 s to register with the GCS and then gives up; on a loaded machine
+# that is not always enough, so a worker node that gave up is started once more.
+start_worker_node
+for attempt in 1 2; do
+  rc=0
+  wait_for_worker_node || rc=$?
+  [ "$rc" = 0 ] && break
+  if [ "$rc" = 3 ] && [ "$attempt" = 1 ]; then
+    echo "two_nodes.sh: the worker node stopped before it joined the cluster; starting it again" >&2
+    tail -n 3 "$work/worker.log" >&2
+    kill -KILL -- "-${pids[-1]}" 2>/dev/null || true  # whatever its failed start left running
+    mv "$work/worker.log" "$work/worker.1.log"
+    start_worker_node
+    continue
+  fi
+  [ "$rc" = 3 ] && echo "two_nodes.sh: the worker node stopped before it joined the cluster" >&2
+  tail -n 30 "$work/head.log" "$work/worker.log" >&2
+  exit 1
+done
 echo "two Ray nodes up at $address (temp dirs $work/h and $work/w); mode $mode: the worker node sees" \
      "$([ "$mode" = shared ] && echo "the same directory" || echo "its own disk") at $mnt"
 

@@ -87,18 +87,46 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$work/auth_token"
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 
 # setsid: each node leads its own process group, which cleanup signals as a whole.
-setsid "$PYTHON" -m ray.scripts.scripts start --head "${common[@]}" --temp-dir "$work/h" --port "$gcs" \
-  --include-dashboard false --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent" \
-  --dashboard-agent-grpc-port "$agent_grpc" --metrics-export-port "$metrics" \
-  --runtime-env-agent-port "$runtime_env" --node-manager-port "$nm1" --object-manager-port "$om1" \
-  >"$work/head.log" 2>&1 &
-pids+=($!)
-disown  # no job notices; cleanup() waits for the process groups itself
+start_head_node() {
+  setsid "$PYTHON" -m ray.scripts.scripts start --head "${common[@]}" --temp-dir "$work/h" --port "$gcs" \
+    --include-dashboard false --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent" \
+    --dashboard-agent-grpc-port "$agent_grpc" --metrics-export-port "$metrics" \
+    --runtime-env-agent-port "$runtime_env" --node-manager-port "$nm1" --object-manager-port "$om1" \
+    >"$work/head.log" 2>&1 &
+  pids+=($!)
+  disown  # no job notices; cleanup() waits for the process groups itself
+}
 
-for _ in $(seq 600); do  # the head node is up once it has written its address (120 s at most)
-  [ -s "$work/h/ray_current_cluster" ] && break
-  kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/head.log" >&2; echo "two_nodes.sh: the head node did not start" >&2; exit 1; }
-  sleep 0.2
+# The head node is up once it has written its address (120 s at most). Exit 0 once it has, 3 if
+# its `ray start` ended first.
+wait_for_head_node() {
+  for _ in $(seq 600); do
+    [ -s "$work/h/ray_current_cluster" ] && return 0
+    kill -0 "${pids[-1]}" 2>/dev/null || return 3
+    sleep 0.2
+  done
+  echo "two_nodes.sh: the head node did not write its address within 120 s" >&2
+  return 1
+}
+
+# A loaded machine can also make the head node's own start time out (its raylet not registered
+# with its GCS in time): like the worker node below, a head node that gave up is started once more.
+start_head_node
+for attempt in 1 2; do
+  rc=0
+  wait_for_head_node || rc=$?
+  [ "$rc" = 0 ] && break
+  if [ "$rc" = 3 ] && [ "$attempt" = 1 ]; then
+    echo "two_nodes.sh: the head node stopped before it started; starting it again" >&2
+    tail -n 3 "$work/head.log" >&2
+    kill -KILL -- "-${pids[-1]}" 2>/dev/null || true  # whatever its failed start left running
+    mv "$work/head.log" "$work/head.1.log"
+    start_head_node
+    continue
+  fi
+  cat "$work/head.log" >&2
+  echo "two_nodes.sh: the head node did not start" >&2
+  exit 1
 done
 address=$(cat "$work/h/ray_current_cluster")  # host:port of the head node's GCS
 

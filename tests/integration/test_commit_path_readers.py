@@ -5,8 +5,10 @@ Real Ray, real monitors, real files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 
 import pytest
 import ray
@@ -181,29 +183,54 @@ def test_an_expiring_lease_record_never_removes_a_file_outside_the_lease_directo
     assert trackers_verify(root) == {"state_dict": 3}
 
 
+@contextlib.contextmanager
+def renewing(monitor, leases: list, every_s: float = 0.5):
+    """Heartbeats for ``leases`` every ``every_s``, as a subscriber's own thread sends them (a loaded
+    machine can take longer than a short lease between two steps). A heartbeat that fails while the
+    monitor restarts is sent again at the next beat; the first lease it reports lost is kept."""
+    stop, lost = threading.Event(), []
+
+    def beat():
+        while not stop.wait(every_s):
+            try:
+                lost.extend(ray.get(monitor.reader_heartbeat.remote(READER, leases, None), timeout=30)["lost"])
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield lost
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_pins_retention_and_restarts_keep_trackers_verifiable(make_monitor, run_name, tmp_path):
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=2.0)
+    monitor = make_monitor(root, max_state_dict_to_keep=2, read_lease_s=8.0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
     publish(coord, 1)
     assert ray.get(monitor.pin.remote(READER, "L1", 1)) == {"error": None}
-    # A lease on a step that was never saved, and on a failed one, is refused.
-    fail_step(coord, root, 2)
-    assert ray.get(monitor.pin.remote(READER, "L2", 2))["error"]
-    assert ray.get(monitor.pin.remote(READER, "L9", 9))["error"]
-    for step in (3, 4, 5):
-        publish(coord, step)
+    with renewing(monitor, [["L1", 1]]) as lost:
+        # A lease on a step that was never saved, and on a failed one, is refused.
+        fail_step(coord, root, 2)
+        assert ray.get(monitor.pin.remote(READER, "L2", 2))["error"]
+        assert ray.get(monitor.pin.remote(READER, "L9", 9))["error"]
+        for step in (3, 4, 5):
+            publish(coord, step)
+            ray.get(monitor.wait_retention.remote(30))
+            trackers_verify(root)
+            ckptd.verify(root, 1, kind="state_dict")  # pinned: kept past the policy
+        assert not os.path.isdir(ckptd.step_dir(root, 3))  # not pinned: deleted
+        # Renewed across a sigkill restart: the restored lease still holds step 1.
+        restart_monitor(monitor, how="sigkill")
+        assert ray.get(monitor.reader_heartbeat.remote(READER, [["L1", 1]], None))["lost"] == []
+        publish(coord, 6)
         ray.get(monitor.wait_retention.remote(30))
-        trackers_verify(root)
-        ckptd.verify(root, 1, kind="state_dict")  # pinned: kept past the policy
-    assert not os.path.isdir(ckptd.step_dir(root, 3))  # not pinned: deleted
-    # Renewed across a sigkill restart: the restored lease still holds step 1.
-    restart_monitor(monitor, how="sigkill")
-    assert ray.get(monitor.reader_heartbeat.remote(READER, [["L1", 1]], None))["lost"] == []
-    publish(coord, 6)
-    ray.get(monitor.wait_retention.remote(30))
-    ckptd.verify(root, 1, kind="state_dict")
-    assert trackers_verify(root) == {"state_dict": 6}
+        ckptd.verify(root, 1, kind="state_dict")
+        assert trackers_verify(root) == {"state_dict": 6}
+    assert lost == []
     # Released: the next pass deletes it (the claim was not left behind), and a new pin is refused.
     ray.get(monitor.release.remote("L1"))
     wait_for(lambda: not os.path.isdir(ckptd.step_dir(root, 1)), what="retention to delete step 1")

@@ -10,6 +10,11 @@ from tests.s3server import S3Server
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Ray's log monitor looks for new worker log files every 0.1 s while a node has fewer than this
+# many: 2 % of a core per local Ray instance over a run, on a machine the suite keeps busy. At 0
+# it looks every 0.5 s (Ray's LOG_NAME_UPDATE_INTERVAL_S) and still forwards worker output:
+# about 1 % (measured 2026-11-27). Every Ray the tests start inherits it, here or in a subprocess.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import itertools
 import json
@@ -25,19 +24,7 @@ from ckptd.layout import MANIFESTS, TRACKERS, parse_tracker
 from ckptd.manifest import Manifest, changed_files
 from ckptd.storage import Storage
 
-
-@ray.remote(num_cpus=0)
-class Signal:
-    """A cross-process event: tests wait on it instead of sleeping."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    async def send(self) -> None:
-        self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
+from .sync import Signal  # noqa: F401 (the tests import it from here)
 
 
 @ray.remote(num_cpus=0)

@@ -19,6 +19,10 @@ from .helpers import SaveWorker, Signal, restart_monitor, status
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
+# The tests that look only at their own steps share one monitor (``env``); those that look at the
+# trackers or the steps before theirs, or restart the monitor, start one each.
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
+
 
 def manifest(root: str, step: int, kind: Kind = Kind.CHECKPOINT) -> dict:
     with open(f"{ckptd.step_dir(root, step)}/{MANIFESTS[kind]}") as f:
@@ -106,25 +110,25 @@ def test_steps_completing_out_of_order(make_monitor, tmp_path):
     assert tracker(root) == "2\n"
 
 
-def test_duplicate_notifications_count_once(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(7, checkpoint_thread_count=2)
-    coord.save_async("model", lambda: _write(root, 7, "a.bin"), 7)
+def test_duplicate_notifications_count_once(env):
+    root, monitor, step = env.root, env.monitor, env.s + 7
+    coord = env.coord()
+    coord.register(step, checkpoint_thread_count=2)
+    coord.save_async("model", lambda: _write(root, step, "a.bin"), step)
     coord.wait_all()
     # A retried notification of the same call, straight to the actor: it counts once.
-    (key,) = status(monitor).step(7).finished
-    unit = {"worker": "w0", "name": "model", "step": 7, "kind": "checkpoint", "call": key.split("#")[1]}
+    (key,) = status(monitor).step(step).finished
+    unit = {"worker": coord.worker_id, "name": "model", "step": step, "kind": "checkpoint",
+            "call": key.split("#")[1]}
     assert ray.get(monitor.notify_batch.remote([("started", unit, None), ("finished", unit, [])])) == [
         {"admitted": True}, None]
-    s = status(monitor).step(7)
+    s = status(monitor).step(step)
     assert s.finished == [key] and not s.committed
-    other = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
-    other.save_async("model", lambda: _write(root, 7, "b.bin"), 7)
+    other = ckptd.CheckpointCoordinator(monitor, worker_id=f"{coord.worker_id}-other")
+    other.save_async("model", lambda: _write(root, step, "b.bin"), step)
     other.wait_all()
-    coord.wait_committed(7, timeout_s=30)
-    assert sorted(f["path"] for f in manifest(root, 7)["files"]) == ["a.bin", "b.bin"]
+    coord.wait_committed(step, timeout_s=30)
+    assert sorted(f["path"] for f in manifest(root, step)["files"]) == ["a.bin", "b.bin"]
 
 
 def test_failing_save_surfaces_and_never_commits(make_monitor, tmp_path):
@@ -195,23 +199,21 @@ def test_a_checkpoint_unit_failing_before_the_registration_leaves_the_state_dict
     assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
 
 
-def test_save_sync_failure_raises_at_once(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_sync(lambda: _write(root, 1, "a.bin"), 1)
-    coord.save_sync(lambda: _write(root, 1, "b.bin"), 1)  # a second unit, not a duplicate
-    coord.register(1, checkpoint_thread_count=2)
-    coord.wait_committed(1, timeout_s=30)
+def test_save_sync_failure_raises_at_once(env):
+    root, s = env.root, env.s
+    coord = env.coord()
+    coord.save_sync(lambda: _write(root, s + 1, "a.bin"), s + 1)
+    coord.save_sync(lambda: _write(root, s + 1, "b.bin"), s + 1)  # a second unit, not a duplicate
+    coord.register(s + 1, checkpoint_thread_count=2)
+    coord.wait_committed(s + 1, timeout_s=30)
     with pytest.raises(ckptd.CheckpointSaveError) as info:
-        coord.save_sync(lambda: 1 / 0, 2)
+        coord.save_sync(lambda: 1 / 0, s + 2)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
-def test_same_name_serialised_different_names_concurrent(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", max_pending=4)
+def test_same_name_serialised_different_names_concurrent(env):
+    s = env.s
+    coord = env.coord(max_pending=4)
     running: list[str] = []
     overlaps: list[tuple[str, ...]] = []
     lock = threading.Lock()
@@ -228,39 +230,38 @@ def test_same_name_serialised_different_names_concurrent(make_monitor, tmp_path)
                 running.remove(label)
         return fn
 
-    coord.save_async("a", unit("a1", True), 1)
-    coord.save_async("b", unit("b1", True), 1)
+    coord.save_async("a", unit("a1", True), s + 1)
+    coord.save_async("b", unit("b1", True), s + 1)
     for i in range(2, 5):
-        coord.save_async("a", unit(f"a{i}", False), i)
+        coord.save_async("a", unit(f"a{i}", False), s + i)
     coord.wait_all()
     a_runs = [o for o in overlaps if sum(x.startswith("a") for x in o) > 1]
     assert a_runs == []  # never two units of name "a" at once
     assert ("a1", "b1") in overlaps
 
 
-def test_bad_input_is_refused_before_anything_is_written(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+def test_bad_input_is_refused_before_anything_is_written(env, tmp_path):
+    root, monitor, s = env.root, env.monitor, env.s
+    coord = env.coord()
     before = sorted(os.listdir(root))
     cases = [
         lambda: coord.save_async("model", lambda: None, -1),
         lambda: coord.save_async("model", lambda: None, 1.5),
-        lambda: coord.save_async("../etc", lambda: None, 1),
-        lambda: coord.save_async("a/b", lambda: None, 1),
-        lambda: coord.save_async("", lambda: None, 1),
-        lambda: coord.save_async("model", "not callable", 1),
-        lambda: coord.register(1, checkpoint_thread_count=-2),
+        lambda: coord.save_async("../etc", lambda: None, s + 1),
+        lambda: coord.save_async("a/b", lambda: None, s + 1),
+        lambda: coord.save_async("", lambda: None, s + 1),
+        lambda: coord.save_async("model", "not callable", s + 1),
+        lambda: coord.register(s + 1, checkpoint_thread_count=-2),
         lambda: coord.register(-3, checkpoint_thread_count=1),
-        lambda: coord.register(1),  # nothing to register
+        lambda: coord.register(s + 1),  # nothing to register
     ]
     for case in cases:
         with pytest.raises(ckptd.CheckpointConfigError):
             case()
     assert sorted(os.listdir(root)) == before
-    coord.register(4, checkpoint_thread_count=2)
-    coord.register(4, checkpoint_thread_count=1)  # registrations add up, as Trinity's counters do
-    assert status(monitor).step(4).expected == 3
+    coord.register(s + 4, checkpoint_thread_count=2)
+    coord.register(s + 4, checkpoint_thread_count=1)  # registrations add up, as Trinity's counters do
+    assert status(monitor).step(s + 4).expected == 3
     with pytest.raises(ckptd.CheckpointConfigError, match="unknown option 'save_stratgy'"):
         ckptd.start_monitor(root, run="other", save_stratgy="single_thread")
     not_a_dir = tmp_path / "file"
@@ -271,20 +272,19 @@ def test_bad_input_is_refused_before_anything_is_written(make_monitor, tmp_path)
         ckptd.start_monitor(str(tmp_path / "elsewhere"), run=status(monitor).run)
 
 
-def test_save_fn_may_return_its_paths(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+def test_save_fn_may_return_its_paths(env, tmp_path):
+    root, s = env.root, env.s
+    coord = env.coord()
 
     def fn():
-        _write(root, 1, "x.bin")
-        return [f"{ckptd.step_dir(root, 1)}/x.bin"]
+        _write(root, s + 1, "x.bin")
+        return [f"{ckptd.step_dir(root, s + 1)}/x.bin"]
 
-    coord.save_async("model", fn, 1)
-    coord.register(1, checkpoint_thread_count=1)
-    coord.wait_committed(1, timeout_s=30)
-    assert [f["path"] for f in manifest(root, 1)["files"]] == ["x.bin"]
-    coord.save_async("outside", lambda: [str(tmp_path / "elsewhere.bin")], 2)
+    coord.save_async("model", fn, s + 1)
+    coord.register(s + 1, checkpoint_thread_count=1)
+    coord.wait_committed(s + 1, timeout_s=30)
+    assert [f["path"] for f in manifest(root, s + 1)["files"]] == ["x.bin"]
+    coord.save_async("outside", lambda: [str(tmp_path / "elsewhere.bin")], s + 2)
     with pytest.raises(ckptd.CheckpointSaveError, match="outside the step directory"):
         coord.wait_all()
 

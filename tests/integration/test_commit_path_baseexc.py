@@ -1,5 +1,9 @@
 """Commit path under BaseException save functions, monitor restarts, new jobs and additive
-registrations: real Ray, real files, no mocks."""
+registrations: real Ray, real files, no mocks.
+
+The tests that look only at their own steps share one monitor (``env``: each its own block of
+steps); those that restart the monitor, start a new job, or check which step a tracker names have
+their own."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from ckptd.errors import CheckpointError, CheckpointSaveError
 from .helpers import actor_gone, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_local")
+
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 TRACKERS = {"latest_checkpointed_iteration.txt": "checkpoint", "latest_state_dict_iteration.txt": "state_dict"}
 
@@ -99,12 +105,11 @@ def test_base_exception_in_save_async_fails_step_thread_survives(make_monitor, t
     coord.close()
 
 
-def test_system_exit_in_save_async_raised_by_wait_all(make_monitor, tmp_path):
-    root = _root(tmp_path)
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("model", _raiser(root, 1, SystemExit(3)), 1)
-    register_failing(coord, 1, checkpoint_thread_count=1)
+def test_system_exit_in_save_async_raised_by_wait_all(env):
+    root, s1 = env.root, env.s + 1
+    coord = env.coord()
+    coord.save_async("model", _raiser(root, s1, SystemExit(3)), s1)
+    register_failing(coord, s1, checkpoint_thread_count=1)
     with pytest.raises(CheckpointSaveError) as ei:
         coord.wait_all()
     assert "SystemExit" in str(ei.value)
@@ -127,26 +132,25 @@ def test_system_exit_in_save_async_never_commits_thread_survives(make_monitor, t
     coord.close()
 
 
-def test_system_exit_in_save_sync_propagates_never_commits(make_monitor, tmp_path):
-    root = _root(tmp_path)
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(4, checkpoint_thread_count=1)
+def test_system_exit_in_save_sync_propagates_never_commits(env):
+    root, s4, s5, s6 = env.root, env.s + 4, env.s + 5, env.s + 6
+    coord = env.coord()
+    coord.register(s4, checkpoint_thread_count=1)
     with pytest.raises(SystemExit):
-        coord.save_sync(_raiser(root, 4, SystemExit(2)), 4)
+        coord.save_sync(_raiser(root, s4, SystemExit(2)), s4)
     with pytest.raises(CheckpointSaveError):
-        coord.wait_committed(4, timeout_s=60)
-    assert_never_committed(root, 4)
+        coord.wait_committed(s4, timeout_s=60)
+    assert_never_committed(root, s4)
     # Boom (not SystemExit) in save_sync becomes a CheckpointSaveError.
-    coord.register(5, checkpoint_thread_count=1)
+    coord.register(s5, checkpoint_thread_count=1)
     with pytest.raises(CheckpointSaveError):
-        coord.save_sync(_raiser(root, 5, Boom("x")), 5)
+        coord.save_sync(_raiser(root, s5, Boom("x")), s5)
     with pytest.raises(CheckpointSaveError):
-        coord.wait_committed(5, timeout_s=60)
-    assert_never_committed(root, 5)
-    coord.save_sync(lambda: _write(root, 6, "ok.bin"), 6)
-    coord.register(6, checkpoint_thread_count=1)
-    coord.wait_committed(6, timeout_s=60)
+        coord.wait_committed(s5, timeout_s=60)
+    assert_never_committed(root, s5)
+    coord.save_sync(lambda: _write(root, s6, "ok.bin"), s6)
+    coord.register(s6, checkpoint_thread_count=1)
+    coord.wait_committed(s6, timeout_s=60)
     assert_trackers_verified(root)
     coord.close()
 
@@ -231,18 +235,17 @@ def test_checkpoint_waits_for_state_dict_saves_of_its_step(make_monitor, tmp_pat
     coord.close()
 
 
-def test_checkpoint_with_failed_state_dict_never_commits(make_monitor, tmp_path):
-    root = _root(tmp_path)
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_async("sd", _raiser(root, 8, Boom("sd")), 8, is_state_dict=True)
-    coord.save_async("opt", lambda: _write(root, 8, "opt.bin"), 8)
-    register_failing(coord, 8, state_dict_thread_count=1, checkpoint_thread_count=1)
+def test_checkpoint_with_failed_state_dict_never_commits(env):
+    root, s8 = env.root, env.s + 8
+    coord = env.coord()
+    coord.save_async("sd", _raiser(root, s8, Boom("sd")), s8, is_state_dict=True)
+    coord.save_async("opt", lambda: _write(root, s8, "opt.bin"), s8)
+    register_failing(coord, s8, state_dict_thread_count=1, checkpoint_thread_count=1)
     with pytest.raises(CheckpointSaveError):
         coord.wait_all()
     with pytest.raises(CheckpointSaveError):
-        coord.wait_committed(8, timeout_s=60)
-    assert_never_committed(root, 8)
+        coord.wait_committed(s8, timeout_s=60)
+    assert_never_committed(root, s8)
     coord.close()
 
 
@@ -265,21 +268,20 @@ def test_registrations_add_up_when_counts_differ(make_monitor, tmp_path):
     coord.close()
 
 
-def test_the_same_counts_registered_twice_add_up_as_documented(make_monitor, tmp_path):
+def test_the_same_counts_registered_twice_add_up_as_documented(env):
     """register's contract (Trinity's): two calls with 1 expect two units."""
     from ckptd.config import Kind
 
-    root = _root(tmp_path)
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(10, checkpoint_thread_count=1)
-    coord.register(10, checkpoint_thread_count=1)
-    coord.save_async("a", lambda: _write(root, 10, "a.bin"), 10)
+    root, monitor, s10 = env.root, env.monitor, env.s + 10
+    coord = env.coord()
+    coord.register(s10, checkpoint_thread_count=1)
+    coord.register(s10, checkpoint_thread_count=1)
+    coord.save_async("a", lambda: _write(root, s10, "a.bin"), s10)
     coord.wait_all()
-    st = ray.get(monitor.status.remote()).step(10, Kind.CHECKPOINT)
+    st = ray.get(monitor.status.remote()).step(s10, Kind.CHECKPOINT)
     assert st.expected == 2 and not st.committed
-    coord.save_async("b", lambda: _write(root, 10, "b.bin"), 10)
-    coord.wait_committed(10, timeout_s=30)
+    coord.save_async("b", lambda: _write(root, s10, "b.bin"), s10)
+    coord.wait_committed(s10, timeout_s=30)
 
 
 def test_state_dict_committed_then_checkpoint_unit_fails(make_monitor, tmp_path):

@@ -2,7 +2,10 @@
 change when the caller learns the monitor's answer, never what commits. Each test states one
 invariant and would fail if it broke. It found two bugs, fixed since: a step could commit short
 (a unit finishing before its coordinator's earlier background registrations arrived), and a
-closed coordinator accepted a first wait=False registration."""
+closed coordinator accepted a first wait=False registration.
+
+The tests that only look at their own steps share one monitor (``env``: each its own block of
+steps); those that restart or kill the monitor, or look at its trackers, have their own."""
 
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 CKPT = Kind.CHECKPOINT
 
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
+
 
 def _files(root: str, step: int, kind: Kind = CKPT) -> list[str] | None:
     m = read_manifest(root, step, kind)
@@ -64,38 +69,40 @@ def _registrar_threads(worker: str) -> list[threading.Thread]:
 # -- 1. a step commits whole, counts once ------------------------------------------------------
 
 
-def test_two_background_registrations_made_before_any_unit_never_commit_the_step_short(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    # Hold the registrar deterministically: a registration of step 1 waits (quiesce) while the commit
-    # of step 1 is in flight, held in before_manifest. Everything queued behind it waits too.
+def test_two_background_registrations_made_before_any_unit_never_commit_the_step_short(env):
+    """Steps S+1 (whose commit is held) and S+5 of the test's block on the shared monitor."""
+    root, monitor, s1, s5 = env.root, env.monitor, env.s + 1, env.s + 5
+    coord = env.coord()
+    # Hold the registrar deterministically: a registration of step S+1 waits (quiesce) while the
+    # commit of step S+1 is in flight, held in before_manifest. Everything queued behind it waits too.
     arm_in_monitor(monitor, "before_manifest", "delay:3")
-    coord.save_async("model", lambda: write_step_file(root, 1, "model.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
-    wait_for(lambda: status(monitor).step(1).state.value == "committing", what="step 1 to start committing")
-    arm_in_monitor(monitor, "before_manifest", None)
-    coord.register(1, wait=False)  # adds nothing: only waits for the commit of step 1
-    # Trinity's additive counting, both registrations made before any unit of step 5 starts.
-    coord.register(5, checkpoint_thread_count=1, wait=False)
-    coord.register(5, checkpoint_thread_count=1, wait=False)
-    coord.save_sync(lambda: write_step_file(root, 5, "a.bin"), 5)
+    try:
+        coord.save_async("model", lambda: write_step_file(root, s1, "model.bin"), s1)
+        coord.register(s1, checkpoint_thread_count=1)
+        wait_for(lambda: status(monitor).step(s1).state.value == "committing", what="step S+1 to start committing")
+    finally:
+        arm_in_monitor(monitor, "before_manifest", None)
+    coord.register(s1, wait=False)  # adds nothing: only waits for the commit of step S+1
+    # Trinity's additive counting, both registrations made before any unit of step S+5 starts.
+    coord.register(s5, checkpoint_thread_count=1, wait=False)
+    coord.register(s5, checkpoint_thread_count=1, wait=False)
+    coord.save_sync(lambda: write_step_file(root, s5, "a.bin"), s5)
     # The registrar was held while a.bin was written, and the unit reported itself finished only
     # once both registrations made before it were applied (before the fix: expected 0, finished 1).
-    s = status(monitor).step(5)
+    s = status(monitor).step(s5)
     assert (s.expected, len(s.finished)) == (2, 1)
     errors = []
     # The same call sequence with blocking registrations (register, register, save, wait_all, save)
     # commits both units.
-    for call in (coord.wait_all, lambda: coord.save_sync(lambda: write_step_file(root, 5, "b.bin"), 5),
+    for call in (coord.wait_all, lambda: coord.save_sync(lambda: write_step_file(root, s5, "b.bin"), s5),
                  coord.wait_all):
         try:
             call()
         except ckptd.CheckpointError as e:
             errors.append(e)
-    coord.wait_committed(5, timeout_s=30)
+    coord.wait_committed(s5, timeout_s=30)
     # Two units were registered before either ran: the step commits with both, and nothing failed.
-    assert _files(root, 5) == ["a.bin", "b.bin"]
+    assert _files(root, s5) == ["a.bin", "b.bin"]
     assert errors == []
     coord.close()
 
@@ -156,27 +163,25 @@ def test_a_blocking_register_is_applied_after_the_background_ones_made_before_it
     coord.close()
 
 
-def test_register_and_monitor_from_an_event_loop_is_applied_after_earlier_background_registrations(
-        make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.save_sync(lambda: write_step_file(root, 8, "a.bin"), 8)
-    coord.save_sync(lambda: write_step_file(root, 9, "a.bin"), 9)
+def test_register_and_monitor_from_an_event_loop_is_applied_after_earlier_background_registrations(env):
+    root, s8, s9 = env.root, env.s + 8, env.s + 9
+    coord = env.coord()
+    coord.save_sync(lambda: write_step_file(root, s8, "a.bin"), s8)
+    coord.save_sync(lambda: write_step_file(root, s9, "a.bin"), s9)
 
     async def loop():
-        coord.register(8, checkpoint_thread_count=1, wait=False)
-        with pytest.raises(ckptd.RegistrationConflictError, match="step 8"):
-            await coord.register_and_monitor(8, checkpoint_thread_count=1)
+        coord.register(s8, checkpoint_thread_count=1, wait=False)
+        with pytest.raises(ckptd.RegistrationConflictError, match=f"step {s8}"):
+            await coord.register_and_monitor(s8, checkpoint_thread_count=1)
         # and after the async one, a background one: applied after it (refused, raised by wait_all)
-        await coord.register_and_monitor(9, checkpoint_thread_count=1)
-        coord.register(9, checkpoint_thread_count=1, wait=False)
+        await coord.register_and_monitor(s9, checkpoint_thread_count=1)
+        coord.register(s9, checkpoint_thread_count=1, wait=False)
 
     asyncio.run(loop())
-    with pytest.raises(ckptd.RegistrationConflictError, match="step 9"):
+    with pytest.raises(ckptd.RegistrationConflictError, match=f"step {s9}"):
         coord.wait_all()
     coord.wait_all()
-    assert _files(root, 8) == ["a.bin"] and _files(root, 9) == ["a.bin"]
+    assert _files(root, s8) == ["a.bin"] and _files(root, s9) == ["a.bin"]
     coord.close()
 
 
@@ -206,20 +211,19 @@ def test_background_registrations_of_one_thread_are_applied_in_order(make_monito
 # -- 3. failures are raised once, never lost ---------------------------------------------------
 
 
-def test_two_background_failures_the_first_is_raised_once_and_the_second_named_on_it(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    for s in (1, 2):
+def test_two_background_failures_the_first_is_raised_once_and_the_second_named_on_it(env):
+    root, s1, s2 = env.root, env.s + 1, env.s + 2
+    coord = env.coord()
+    for s in (s1, s2):
         coord.save_sync(lambda s=s: write_step_file(root, s, "a.bin"), s)
         coord.register(s, checkpoint_thread_count=1)
-    coord.register(1, checkpoint_thread_count=1, wait=False)
-    coord.register(2, checkpoint_thread_count=1, wait=False)
-    with pytest.raises(ckptd.RegistrationConflictError, match="step 1 ") as raised:
-        coord.wait_committed(2, timeout_s=10)  # a blocking call: raises, before its own question
-    assert any("step 2 " in n for n in getattr(raised.value, "__notes__", [])), "the second failure was lost"
+    coord.register(s1, checkpoint_thread_count=1, wait=False)
+    coord.register(s2, checkpoint_thread_count=1, wait=False)
+    with pytest.raises(ckptd.RegistrationConflictError, match=f"step {s1} ") as raised:
+        coord.wait_committed(s2, timeout_s=10)  # a blocking call: raises, before its own question
+    assert any(f"step {s2} " in n for n in getattr(raised.value, "__notes__", [])), "the second failure was lost"
     coord.wait_all()  # each raised once
-    coord.wait_committed(2, timeout_s=10)
+    coord.wait_committed(s2, timeout_s=10)
     coord.close()
 
 
@@ -309,14 +313,13 @@ def test_a_registration_failing_at_exit_is_logged_and_one_still_queued_is_delive
     coord.close()
 
 
-def test_one_background_failure_is_raised_by_exactly_one_of_two_concurrent_wait_alls(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wtwo")
-    coord.save_sync(lambda: write_step_file(root, 1, "a.bin"), 1)
-    coord.register(1, checkpoint_thread_count=1)
-    coord.wait_committed(1, timeout_s=30)
-    coord.register(1, checkpoint_thread_count=1, wait=False)
+def test_one_background_failure_is_raised_by_exactly_one_of_two_concurrent_wait_alls(env):
+    root, s1 = env.root, env.s + 1
+    coord = env.coord()
+    coord.save_sync(lambda: write_step_file(root, s1, "a.bin"), s1)
+    coord.register(s1, checkpoint_thread_count=1)
+    coord.wait_committed(s1, timeout_s=30)
+    coord.register(s1, checkpoint_thread_count=1, wait=False)
     start = threading.Barrier(2)
 
     def both():
@@ -422,16 +425,15 @@ def test_a_process_dying_after_register_wait_false_never_leaves_a_step_committed
 # -- 6. threads and close ----------------------------------------------------------------------
 
 
-def test_background_registrations_from_several_threads_all_count_once(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wthreads")
+def test_background_registrations_from_several_threads_all_count_once(env):
+    s11 = env.s + 11
+    coord = ckptd.CheckpointCoordinator(env.monitor, worker_id=f"wthreads{env.s}")
     start = threading.Barrier(4)
 
     def burst():
         start.wait()
         for _ in range(10):
-            coord.register(11, checkpoint_thread_count=1, wait=False)
+            coord.register(s11, checkpoint_thread_count=1, wait=False)
 
     threads = [threading.Thread(target=burst) for _ in range(4)]
     for t in threads:
@@ -439,8 +441,8 @@ def test_background_registrations_from_several_threads_all_count_once(make_monit
     for t in threads:
         t.join()
     coord.wait_all()
-    assert status(monitor).step(11).expected == 40
-    assert len(_registrar_threads("wthreads")) == 1
+    assert status(env.monitor).step(s11).expected == 40
+    assert len(_registrar_threads(f"wthreads{env.s}")) == 1
     coord.close()
 
 
@@ -464,14 +466,12 @@ def test_close_applies_every_queued_registration_then_refuses_new_ones(make_moni
     coord_check.close()
 
 
-def test_register_wait_false_after_close_is_refused_even_if_never_used_before(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wfresh")
+def test_register_wait_false_after_close_is_refused_even_if_never_used_before(env):
+    coord = ckptd.CheckpointCoordinator(env.monitor, worker_id=f"wfresh{env.s}")
     coord.close()
     try:
         with pytest.raises(ckptd.CheckpointError, match="closed"):
-            coord.register(50, checkpoint_thread_count=1, wait=False)
-        assert not _registrar_threads("wfresh")
+            coord.register(env.s + 50, checkpoint_thread_count=1, wait=False)
+        assert not _registrar_threads(f"wfresh{env.s}")
     finally:
         coord.wait_all()

@@ -2,22 +2,28 @@
 
 A save unit a coordinator starts after a background registration reports itself finished (receipt,
 then notification) only once that registration was applied (``Registrar.barrier``). These tests hold
-the registrar deterministically (a commit of step 1 held in ``before_manifest`` for 3 s, and a
-wait=False registration of step 1 queued behind it: the monitor answers it only after the commit)
+the registrar deterministically (a commit of a holding step held in ``before_manifest``, and a
+wait=False registration of that step queued behind it: the monitor answers it only after the commit)
 and check, in every path that makes units, that the barrier neither deadlocks nor lets a step commit
 short, that it orders only its own coordinator and the units made after the registration, that a
 failed registration releases it, and that monitor restarts and back-pressure combine with it.
 It found one bug, fixed since: with writer slots (a throttling save strategy) a unit took its slot
 and then waited at the barrier after its write, holding up other writers; it now waits before it
 asks for a slot.
+
+The tests that only look at their own steps share one monitor (``env``: each its own block of steps,
+the first of them its holding step, ``_hold_commit``); those that kill or restart the monitor, or need
+another save strategy, have their own (holding step ``HOLD_STEP``).
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import ray
@@ -28,7 +34,7 @@ from ckptd.config import Kind
 
 from .helpers import (
     HOLD_STEP,
-    hold_commit,
+    arm_in_monitor,
     hold_registrar,
     in_thread,
     read_manifest,
@@ -43,6 +49,8 @@ from .helpers import (
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 CKPT = Kind.CHECKPOINT
+
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
 
 
 def _files(root: str, step: int, kind: Kind = CKPT) -> list[str] | None:
@@ -77,63 +85,94 @@ def _state(step: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in weights(step).items()}
 
 
+# helpers.hold_commit / hold_registrar / registrar_held with a holding step of the test's own (a
+# step commits once on the shared monitor, so each test holds the first step of its block, S+1).
+
+_holds = itertools.count()
+
+
+def _held(monitor, step: int) -> bool:
+    """Whether the commit of the holding step ``step`` is still in flight (registrar_held)."""
+    s = status(monitor).step(step)
+    return s is not None and s.state.value == "committing"
+
+
+def _hold_commit(coord, monitor, root: str, step: int, seconds: float) -> Callable[[], None]:
+    """helpers.hold_commit, holding the commit of ``step`` (one unit of ``coord``, hold.bin)."""
+    gate = os.path.join(os.path.dirname(root.rstrip("/")), f"hold17b-{next(_holds)}")  # beside the root
+    arm_in_monitor(monitor, "before_manifest", f"until:{seconds:g}:{gate}")
+    try:
+        coord.save_async("hold", lambda: write_step_file(root, step, "hold.bin"), step)
+        coord.register(step, checkpoint_thread_count=1)
+        wait_for(lambda: _held(monitor, step), what="the commit of the holding step to start")
+    finally:
+        arm_in_monitor(monitor, "before_manifest", None)
+    return lambda: open(gate, "w").close()
+
+
+def _hold_registrar(coord, monitor, root: str, step: int, seconds: float = 8) -> Callable[[], None]:
+    """helpers.hold_registrar, holding the commit of ``step``: every wait=False registration of
+    ``coord`` made after this is applied only once that commit ends."""
+    release = _hold_commit(coord, monitor, root, step, seconds)
+    coord.register(step, wait=False)  # adds nothing: answered once the commit has ended
+    return release
+
+
 # -- 1. every path that makes units: no deadlock, no short commit --------------------------------
 
 
-def test_every_thread_path_waits_for_earlier_registrations_and_before_update_does_not(make_monitor, tmp_path):
+def test_every_thread_path_waits_for_earlier_registrations_and_before_update_does_not(env):
     """save_state_async fenced (streamed) and eager, save_async and save_sync, all after four
-    background registrations of step 5: none reports itself finished while the registrations are
+    background registrations of step S+5: none reports itself finished while the registrations are
     held, before_update returns meanwhile, and the step commits with all four units."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    release = hold_registrar(coord, monitor, root)
+    root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
+    coord = env.coord()
+    release = _hold_registrar(coord, monitor, root, hold)
     for _ in range(4):
-        coord.register(5, checkpoint_thread_count=1, wait=False)
+        coord.register(s5, checkpoint_thread_count=1, wait=False)
     wrote = threading.Event()
-    coord.save_state_async("fenced", _state(5), 5, fenced=True)
+    coord.save_state_async("fenced", _state(5), s5, fenced=True)
     coord.before_update()  # the fence waits for the copy only, never for the registrations
-    assert registrar_held(monitor), "before_update waited for the held registrations"
-    coord.save_state_async("eager", _state(5), 5)
-    coord.save_async("a", lambda: (write_step_file(root, 5, "a.bin"), wrote.set()) and None, 5)
+    assert _held(monitor, hold), "before_update waited for the held registrations"
+    coord.save_state_async("eager", _state(5), s5)
+    coord.save_async("a", lambda: (write_step_file(root, s5, "a.bin"), wrote.set()) and None, s5)
     wait_for(wrote.is_set, what="a.bin to be written")
-    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "eager.safetensors")),
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "eager.safetensors")),
              what="the eager snapshot to be written")
-    assert registrar_held(monitor)
-    assert _finished(monitor, 5) == [] and "finished" not in _receipts(root, 5)
+    assert _held(monitor, hold)
+    assert _finished(monitor, s5) == [] and "finished" not in _receipts(root, s5)
     release()
-    coord.save_sync(lambda: write_step_file(root, 5, "sync.bin"), 5)  # returns once its barrier passed
-    s = status(monitor).step(5)
+    coord.save_sync(lambda: write_step_file(root, s5, "sync.bin"), s5)  # returns once its barrier passed
+    s = status(monitor).step(s5)
     assert s.expected == 4 and "sync" in " ".join(s.finished)
     coord.wait_all()
-    coord.wait_committed(5, timeout_s=30)
-    assert _files(root, 5) == ["a.bin", "eager.safetensors", "fenced.safetensors", "sync.bin"]
-    assert len(read_manifest(root, 5, CKPT).registrations) == 4
+    coord.wait_committed(s5, timeout_s=30)
+    assert _files(root, s5) == ["a.bin", "eager.safetensors", "fenced.safetensors", "sync.bin"]
+    assert len(read_manifest(root, s5, CKPT).registrations) == 4
     coord.close()
 
 
-def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wproc", writer="process", max_staged=1)
-    release = hold_registrar(coord, monitor, root)
-    coord.register(5, checkpoint_thread_count=1, wait=False)
-    coord.register(5, checkpoint_thread_count=1, wait=False)
-    coord.register(6, checkpoint_thread_count=1, wait=False)
-    coord.save_state_async("model", _state(5), 5, fenced=True)
+def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(env):
+    root, monitor, hold, s5, s6 = env.root, env.monitor, env.s + 1, env.s + 5, env.s + 6
+    coord = env.coord(writer="process", max_staged=1)
+    release = _hold_registrar(coord, monitor, root, hold)
+    coord.register(s5, checkpoint_thread_count=1, wait=False)
+    coord.register(s5, checkpoint_thread_count=1, wait=False)
+    coord.register(s6, checkpoint_thread_count=1, wait=False)
+    coord.save_state_async("model", _state(5), s5, fenced=True)
     coord.before_update()
-    coord.save_state_async("optim", _state(5), 5)
+    coord.save_state_async("optim", _state(5), s5)
     # max_staged=1: the next save of "model" needs the buffers of the first, handed back when its
     # write ended, not when its barrier passed.
-    assert in_thread(lambda: coord.save_state_async("model", _state(6), 6), timeout_s=20)[0] == "ok"
-    assert registrar_held(monitor), "a staged save of the writer process waited for the held registrations"
-    assert _finished(monitor, 5) == [] and _finished(monitor, 6) == []
+    assert in_thread(lambda: coord.save_state_async("model", _state(6), s6), timeout_s=20)[0] == "ok"
+    assert _held(monitor, hold), "a staged save of the writer process waited for the held registrations"
+    assert _finished(monitor, s5) == [] and _finished(monitor, s6) == []
     release()
     coord.wait_all()
-    coord.wait_committed(6, timeout_s=30)
-    assert _files(root, 5) == ["model.safetensors", "optim.safetensors"]
-    assert _files(root, 6) == ["model.safetensors"]
-    for step in (5, 6):
+    coord.wait_committed(s6, timeout_s=30)
+    assert _files(root, s5) == ["model.safetensors", "optim.safetensors"]
+    assert _files(root, s6) == ["model.safetensors"]
+    for step in (s5, s6):
         ckptd.verify(root, step)
     coord.close()
 
@@ -162,25 +201,25 @@ class _ActorCoordinator:
         self.coord.close()
 
 
-def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations(make_monitor, tmp_path, run_name):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    actor = _ActorCoordinator.remote(run_name, root)
-    driver = ckptd.CheckpointCoordinator(monitor, worker_id="driver")
-    release = hold_commit(driver, monitor, root, 8)
-    ray.get(actor.register_bg.remote(HOLD_STEP, 0))  # the actor's registrar is held now
-    ray.get(actor.register_bg.remote(5, 1))
-    ray.get(actor.register_bg.remote(5, 1))
-    ray.get(actor.save.remote(5, "a"))
-    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "a.bin")), what="a.bin")
-    assert registrar_held(monitor) and _finished(monitor, 5) == []
+def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations(env):
+    root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
+    run = ray.get(monitor.ping.remote())["run"]  # the shared monitor's
+    actor = _ActorCoordinator.remote(run, root)
+    driver = env.coord()
+    release = _hold_commit(driver, monitor, root, hold, 8)
+    ray.get(actor.register_bg.remote(hold, 0))  # the actor's registrar is held now
+    ray.get(actor.register_bg.remote(s5, 1))
+    ray.get(actor.register_bg.remote(s5, 1))
+    ray.get(actor.save.remote(s5, "a"))
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "a.bin")), what="a.bin")
+    assert _held(monitor, hold) and _finished(monitor, s5) == []
     release()
     ray.get(actor.wait_all.remote(), timeout=30)
-    s = status(monitor).step(5)
+    s = status(monitor).step(s5)
     assert (s.expected, len(s.finished), s.committed) == (2, 1, False)  # never committed short
-    ray.get(actor.save_sync.remote(5, "b"), timeout=30)
-    driver.wait_committed(5, timeout_s=30)
-    assert _files(root, 5) == ["a.bin", "b.bin"]
+    ray.get(actor.save_sync.remote(s5, "b"), timeout=30)
+    driver.wait_committed(s5, timeout_s=30)
+    assert _files(root, s5) == ["a.bin", "b.bin"]
     ray.get(actor.close.remote(), timeout=30)
     ray.kill(actor)
     driver.close()
@@ -189,61 +228,59 @@ def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations
 # -- 2. the barrier orders only this coordinator, and only the units after it ----------------------
 
 
-def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    a = ckptd.CheckpointCoordinator(monitor, worker_id="ca")
-    b = ckptd.CheckpointCoordinator(monitor, worker_id="cb")  # same process: one shared notifier
+def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations(env):
+    root, monitor, hold, s8, s9 = env.root, env.monitor, env.s + 1, env.s + 8, env.s + 9
+    a = ckptd.CheckpointCoordinator(monitor, worker_id=f"ca{env.s}")
+    b = ckptd.CheckpointCoordinator(monitor, worker_id=f"cb{env.s}")  # same process: one shared notifier
     # Held long enough for b's two saves and its commit on a loaded CI machine (3 s once was not).
-    release = hold_registrar(a, monitor, root, seconds=12)
-    a.register(8, checkpoint_thread_count=1, wait=False)
-    a.save_async("a", lambda: write_step_file(root, 8, "a.bin"), 8)
+    release = _hold_registrar(a, monitor, root, hold, seconds=12)
+    a.register(s8, checkpoint_thread_count=1, wait=False)
+    a.save_async("a", lambda: write_step_file(root, s8, "a.bin"), s8)
     # b, with background registrations of its own, saves and commits while a's are held.
-    b.register(9, checkpoint_thread_count=1, wait=False)
-    b.register(9, checkpoint_thread_count=1, wait=False)
-    b.save_async("b1", lambda: write_step_file(root, 9, "b1.bin"), 9)
-    b.save_sync(lambda: write_step_file(root, 9, "b2.bin"), 9)
-    b.wait_committed(9, timeout_s=30)
-    assert registrar_held(monitor), "coordinator b waited for coordinator a's registrations"
-    assert _finished(monitor, 8) == []
-    assert _files(root, 9) == ["b1.bin", "b2.bin"]
+    b.register(s9, checkpoint_thread_count=1, wait=False)
+    b.register(s9, checkpoint_thread_count=1, wait=False)
+    b.save_async("b1", lambda: write_step_file(root, s9, "b1.bin"), s9)
+    b.save_sync(lambda: write_step_file(root, s9, "b2.bin"), s9)
+    b.wait_committed(s9, timeout_s=30)
+    assert _held(monitor, hold), "coordinator b waited for coordinator a's registrations"
+    assert _finished(monitor, s8) == []
+    assert _files(root, s9) == ["b1.bin", "b2.bin"]
     release()
     a.wait_all()
-    a.wait_committed(8, timeout_s=30)
-    assert _files(root, 8) == ["a.bin"]
+    a.wait_committed(s8, timeout_s=30)
+    assert _files(root, s8) == ["a.bin"]
     a.close()
     b.close()
 
 
-def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    coord.register(7, checkpoint_thread_count=1)
+def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(env):
+    root, monitor, hold, st7, st8 = env.root, env.monitor, env.s + 1, env.s + 7, env.s + 8
+    coord = env.coord()
+    coord.register(st7, checkpoint_thread_count=1)
     gate = threading.Event()
 
     def early():
         assert gate.wait(20), "the gate was never opened"
-        write_step_file(root, 7, "early.bin")
+        write_step_file(root, st7, "early.bin")
 
-    coord.save_async("early", early, 7)  # before any wait=False registration
-    release = hold_registrar(coord, monitor, root)
-    coord.register(8, checkpoint_thread_count=1, wait=False)
-    coord.save_async("late", lambda: write_step_file(root, 8, "late.bin"), 8)
+    coord.save_async("early", early, st7)  # before any wait=False registration
+    release = _hold_registrar(coord, monitor, root, hold)
+    coord.register(st8, checkpoint_thread_count=1, wait=False)
+    coord.save_async("late", lambda: write_step_file(root, st8, "late.bin"), st8)
     gate.set()
-    wait_for(lambda: (s := status(monitor).step(7)) is not None and s.committed, what="step 7 to commit")
+    wait_for(lambda: (s := status(monitor).step(st7)) is not None and s.committed, what="step S+7 to commit")
     release()
-    coord.wait_committed(7, timeout_s=30)  # a blocking call: also waits for the held registrations
-    wait_for(lambda: _finished(monitor, 7), timeout_s=1, what="the early unit")
-    # The early unit finished (and its step committed) before the commit of step 1 let the
-    # registrations go; wait_committed itself only returned after.
-    s7 = status(monitor).step(7)
-    assert s7.committed and s7.committed_at < status(monitor).step(HOLD_STEP).committed_at
+    coord.wait_committed(st7, timeout_s=30)  # a blocking call: also waits for the held registrations
+    wait_for(lambda: _finished(monitor, st7), timeout_s=1, what="the early unit")
+    # The early unit finished (and its step committed) before the commit of the holding step S+1
+    # let the registrations go; wait_committed itself only returned after.
+    s7 = status(monitor).step(st7)
+    assert s7.committed and s7.committed_at < status(monitor).step(hold).committed_at
     coord.wait_all()
-    coord.wait_committed(8, timeout_s=30)
-    s8 = status(monitor).step(8)
-    assert s8.committed_at >= status(monitor).step(HOLD_STEP).committed_at
-    assert _files(root, 7) == ["early.bin"] and _files(root, 8) == ["late.bin"]
+    coord.wait_committed(st8, timeout_s=30)
+    s8 = status(monitor).step(st8)
+    assert s8.committed_at >= status(monitor).step(hold).committed_at
+    assert _files(root, st7) == ["early.bin"] and _files(root, st8) == ["late.bin"]
     coord.close()
 
 
@@ -280,21 +317,20 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
 # -- 3. a failed registration releases the barrier -------------------------------------------------
 
 
-def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_commits_whole(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    release = hold_commit(coord, monitor, root, 3)
-    coord.register(HOLD_STEP, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
-    coord.register(5, checkpoint_thread_count=2, wait=False)
-    coord.save_async("a", lambda: write_step_file(root, 5, "a.bin"), 5)
-    coord.save_async("b", lambda: write_step_file(root, 5, "b.bin"), 5)
+def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_commits_whole(env):
+    root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
+    coord = env.coord()
+    release = _hold_commit(coord, monitor, root, hold, 3)
+    coord.register(hold, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
+    coord.register(s5, checkpoint_thread_count=2, wait=False)
+    coord.save_async("a", lambda: write_step_file(root, s5, "a.bin"), s5)
+    coord.save_async("b", lambda: write_step_file(root, s5, "b.bin"), s5)
     release()
     result = in_thread(coord.wait_all)
     assert result[0] == "raised" and isinstance(result[1], ckptd.RegistrationConflictError), result
     assert in_thread(coord.wait_all)[0] == "ok"  # raised once; both units ended
-    coord.wait_committed(5, timeout_s=30)
-    assert _files(root, 5) == ["a.bin", "b.bin"] and _files(root, HOLD_STEP) == ["hold.bin"]
+    coord.wait_committed(s5, timeout_s=30)
+    assert _files(root, s5) == ["a.bin", "b.bin"] and _files(root, hold) == ["hold.bin"]
     coord.close()
 
 
@@ -356,32 +392,31 @@ def test_a_monitor_restart_while_units_wait_on_the_barrier_never_commits_short(m
 # -- 5. back-pressure with the barrier ----------------------------------------------------------
 
 
-def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="wbp", max_pending=1, max_staged=1)
-    release = hold_registrar(coord, monitor, root)
-    coord.register(5, checkpoint_thread_count=3, wait=False)
-    coord.register(6, checkpoint_thread_count=2, wait=False)
+def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(env):
+    root, monitor, hold, s5, s6 = env.root, env.monitor, env.s + 1, env.s + 5, env.s + 6
+    coord = env.coord(max_pending=1, max_staged=1)
+    release = _hold_registrar(coord, monitor, root, hold)
+    coord.register(s5, checkpoint_thread_count=3, wait=False)
+    coord.register(s6, checkpoint_thread_count=2, wait=False)
     done = threading.Event()
 
     def training():
         for name in ("m0", "m1", "m2"):  # one lane: running (at its barrier), queued, then blocked
-            coord.save_async("m", lambda name=name: write_step_file(root, 5, f"{name}.bin"), 5)
-        coord.save_state_async("s", _state(6), 6)
-        coord.save_async("m", lambda: write_step_file(root, 6, "m3.bin"), 6)
+            coord.save_async("m", lambda name=name: write_step_file(root, s5, f"{name}.bin"), s5)
+        coord.save_state_async("s", _state(6), s6)
+        coord.save_async("m", lambda: write_step_file(root, s6, "m3.bin"), s6)
         done.set()
 
     worker = threading.Thread(target=training, daemon=True)
     worker.start()
-    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, 5), "m0.bin")), what="m0.bin")
+    wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "m0.bin")), what="m0.bin")
     # m0 waits at its barrier, so the third save of the lane cannot have returned yet.
-    assert registrar_held(monitor) and not done.is_set()
+    assert _held(monitor, hold) and not done.is_set()
     release()
     worker.join(20)
     assert done.is_set(), "the training thread stayed blocked after the registrations were applied"
     coord.wait_all()
-    coord.wait_committed(6, timeout_s=30)
-    assert _files(root, 5) == ["m0.bin", "m1.bin", "m2.bin"]
-    assert _files(root, 6) == ["m3.bin", "s.safetensors"]
+    coord.wait_committed(s6, timeout_s=30)
+    assert _files(root, s5) == ["m0.bin", "m1.bin", "m2.bin"]
+    assert _files(root, s6) == ["m3.bin", "s.safetensors"]
     coord.close()

@@ -21,6 +21,10 @@ from .helpers import HalfWriter, Signal, restart_monitor, status, wait_all, wait
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
+# The tests that look only at their own steps share one monitor (``env``); those that look at the
+# trackers, restart or replace the monitor, or need options of their own start one each.
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}  # no test's steps go while another runs
+
 
 def write(path: str, data: bytes) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -124,124 +128,119 @@ def test_full_checkpoint_waits_for_the_steps_state_dict_and_fails_with_it(make_m
     assert ckptd.latest_step(root) == 1
 
 
-def test_two_calls_with_the_same_name_and_step_are_two_units(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    coord.save_async("model", lambda: [write(f"{coord.step_dir(1)}/a.bin", b"a")], 1)
-    coord.register(1, checkpoint_thread_count=2)
+def test_two_calls_with_the_same_name_and_step_are_two_units(env):
+    root, monitor, step = env.root, env.monitor, env.s + 1
+    coord = env.coord()
+    coord.save_async("model", lambda: [write(f"{coord.step_dir(step)}/a.bin", b"a")], step)
+    coord.register(step, checkpoint_thread_count=2)
     coord.wait_all()
-    s = status(monitor).step(1)
+    s = status(monitor).step(step)
     assert len(s.finished) == 1 and not s.committed  # one of two registered units
-    coord.save_async("model", lambda: [write(f"{coord.step_dir(1)}/b.bin", b"b")], 1)
-    coord.wait_committed(1, timeout_s=30)
-    assert len(manifest(root, 1)["units"]) == 2
+    coord.save_async("model", lambda: [write(f"{coord.step_dir(step)}/b.bin", b"b")], step)
+    coord.wait_committed(step, timeout_s=30)
+    assert len(manifest(root, step)["units"]) == 2
 
 
 # -- files written outside units -----------------------------------------------------------------
 
 
-def test_files_other_ranks_wrote_outside_units_are_in_the_manifest(make_monitor, tmp_path):
+def test_files_other_ranks_wrote_outside_units_are_in_the_manifest(env):
     """Trinity's FSDP state-dict save: only rank 0 saves through the coordinator (its save_fn
     returns None); the other ranks torch.save their shards before rank 0's save thread starts."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="rank0")
-    out = coord.step_dir(3)
+    root, step = env.root, env.s + 3
+    coord = ckptd.CheckpointCoordinator(env.monitor, worker_id=f"rank0-{env.s}")
+    out = coord.step_dir(step)
     for rank in (1, 2, 3):
         os.makedirs(out, exist_ok=True)
         torch.save({"w": torch.full((64,), float(rank))}, f"{out}/model_rank{rank}.pt")
-    coord.save_async("sd", lambda: torch.save({"w": torch.zeros(64)}, f"{out}/model_rank0.pt"), 3,
+    coord.save_async("sd", lambda: torch.save({"w": torch.zeros(64)}, f"{out}/model_rank0.pt"), step,
                      is_state_dict=True)
-    coord.register(3, is_state_dict=True, state_dict_thread_count=1)
-    coord.wait_committed(3, is_state_dict=True, timeout_s=30)
-    listed = {f["path"] for f in manifest(root, 3, Kind.STATE_DICT)["files"]}
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+    listed = {f["path"] for f in manifest(root, step, Kind.STATE_DICT)["files"]}
     assert listed == {f"model_rank{r}.pt" for r in range(4)}
     with open(f"{out}/model_rank2.pt", "r+b") as f:
         f.truncate(10)
     with pytest.raises(ckptd.CorruptCheckpointError, match="model_rank2.pt"):
-        ckptd.verify(root, 3)
+        ckptd.verify(root, step)
 
 
-def test_attribution_with_old_mtimes_and_the_other_kind_writing_beside(make_monitor, tmp_path):
+def test_attribution_with_old_mtimes_and_the_other_kind_writing_beside(env, tmp_path):
     """A save_fn returning None that copies files with their old mtimes (shutil.copytree of a
     tokenizer), while a checkpoint unit of the same step is still writing its own file."""
-    root = str(tmp_path / "ckpt")
+    root, step = env.root, env.s + 1
     src = tmp_path / "tokenizer"
     src.mkdir()
     (src / "vocab.json").write_text('{"a": 1}')
     os.utime(src / "vocab.json", (1_000_000, 1_000_000))
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    out = coord.step_dir(1)
+    coord = env.coord()
+    out = coord.step_dir(step)
     slow_optimizer = HalfWriter(f"{out}/optim.pt")
-    coord.save_async("optim", slow_optimizer, 1)
+    coord.save_async("optim", slow_optimizer, step)
     assert slow_optimizer.half_written.wait(30)
-    coord.save_async("tok", lambda: shutil.copytree(src, f"{out}/tokenizer", dirs_exist_ok=True) and None, 1,
+    coord.save_async("tok", lambda: shutil.copytree(src, f"{out}/tokenizer", dirs_exist_ok=True) and None, step,
                      is_state_dict=True)
-    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(step, checkpoint_thread_count=1)
     with pytest.raises(TimeoutError):
-        coord.wait_committed(1, is_state_dict=True, timeout_s=1.0)  # waits: optim.pt is unattributed
+        coord.wait_committed(step, is_state_dict=True, timeout_s=1.0)  # waits: optim.pt is unattributed
     slow_optimizer.release()
-    coord.wait_committed(1, timeout_s=30)
-    sd = {f["path"]: f["size"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]}
+    coord.wait_committed(step, timeout_s=30)
+    sd = {f["path"]: f["size"] for f in manifest(root, step, Kind.STATE_DICT)["files"]}
     assert sd == {"tokenizer/vocab.json": 8}
-    full = {f["path"]: f["size"] for f in manifest(root, 1)["files"]}
+    full = {f["path"]: f["size"] for f in manifest(root, step)["files"]}
     assert full == {"tokenizer/vocab.json": 8, "optim.pt": len(b"half-and-the-rest")}
-    ckptd.verify(root, 1)
+    ckptd.verify(root, step)
 
 
-def test_a_save_fn_returning_none_does_not_take_the_other_kinds_half_written_file(make_monitor, tmp_path):
+def test_a_save_fn_returning_none_does_not_take_the_other_kinds_half_written_file(env):
     """The state-dict unit returns None and so finds files by time; a checkpoint unit of the same
     step writes half of its file after that unit started. The half file must not enter the state
     dict's manifest: the state dict waits until the checkpoint unit has reported it."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    out = coord.step_dir(1)
+    root, step = env.root, env.s + 1
+    coord = env.coord()
+    out = coord.step_dir(step)
     optimizer = HalfWriter(f"{out}/optim.pt")
 
     def weights():  # returns None
         assert optimizer.half_written.wait(30)
         write(f"{out}/model.pt", b"weights")
 
-    coord.save_async("weights", weights, 1, is_state_dict=True)
-    coord.save_async("optim", optimizer, 1)
-    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
-    coord.register(1, checkpoint_thread_count=1)
+    coord.save_async("weights", weights, step, is_state_dict=True)
+    coord.save_async("optim", optimizer, step)
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(step, checkpoint_thread_count=1)
     with pytest.raises(TimeoutError):
-        coord.wait_committed(1, is_state_dict=True, timeout_s=1.0)
+        coord.wait_committed(step, is_state_dict=True, timeout_s=1.0)
     optimizer.release()
-    coord.wait_committed(1, timeout_s=30)
+    coord.wait_committed(step, timeout_s=30)
     assert wait_all(coord) is None
-    assert {f["path"] for f in manifest(root, 1, Kind.STATE_DICT)["files"]} == {"model.pt"}
-    full = {f["path"]: f["size"] for f in manifest(root, 1)["files"]}
+    assert {f["path"] for f in manifest(root, step, Kind.STATE_DICT)["files"]} == {"model.pt"}
+    full = {f["path"]: f["size"] for f in manifest(root, step)["files"]}
     assert full == {"model.pt": 7, "optim.pt": len(b"half-and-the-rest")}
-    ckptd.verify(root, 1)
+    ckptd.verify(root, step)
 
 
 # -- committed steps are immutable ---------------------------------------------------------------
 
 
-def test_a_save_into_a_committed_step_is_refused_before_it_runs(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    coord.save_async("model", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"v1")], 1)
-    coord.register(1, checkpoint_thread_count=1)
-    coord.wait_committed(1, timeout_s=30)
+def test_a_save_into_a_committed_step_is_refused_before_it_runs(env):
+    root, step = env.root, env.s + 1
+    coord = env.coord()
+    coord.save_async("model", lambda: [write(f"{coord.step_dir(step)}/m.bin", b"v1")], step)
+    coord.register(step, checkpoint_thread_count=1)
+    coord.wait_committed(step, timeout_s=30)
     ran = []
-    coord.save_async("model", lambda: ran.append(write(f"{coord.step_dir(1)}/m.bin", b"v2")), 1)
+    coord.save_async("model", lambda: ran.append(write(f"{coord.step_dir(step)}/m.bin", b"v2")), step)
     with pytest.raises(ckptd.CheckpointSaveError, match="already committed as a checkpoint"):
         coord.wait_all()
     assert ran == []
     with pytest.raises(ckptd.CheckpointSaveError, match="already committed"):
-        coord.save_sync(lambda: ran.append(1), 1, is_state_dict=True)
+        coord.save_sync(lambda: ran.append(1), step, is_state_dict=True)
     assert ran == []
     with pytest.raises(ckptd.CheckpointConfigError, match="retire"):
-        coord.register(1, checkpoint_thread_count=1)
-    ckptd.verify(root, 1)
+        coord.register(step, checkpoint_thread_count=1)
+    ckptd.verify(root, step)
 
 
 def test_a_unit_that_rewrites_a_committed_state_dict_file_fails(make_monitor, tmp_path):
@@ -468,11 +467,10 @@ def test_a_refused_start_monitor_writes_nothing(ray_local, tmp_path, run_name):
     assert os.listdir(root) == []
 
 
-def test_verify_checks_a_state_dict_only_step(make_monitor, tmp_path):
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1, is_state_dict=True)
-    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
-    coord.wait_committed(1, is_state_dict=True, timeout_s=30)
-    assert set(ckptd.verify(root, 1).files) == {"m.bin"}
+def test_verify_checks_a_state_dict_only_step(env):
+    root, step = env.root, env.s + 1
+    coord = env.coord()
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(step)}/m.bin", b"1")], step, is_state_dict=True)
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+    assert set(ckptd.verify(root, step).files) == {"m.bin"}

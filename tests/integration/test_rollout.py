@@ -17,6 +17,16 @@ from .helpers import HalfWriter, Rollout, failpoint_env, restart_monitor, status
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
+# The tests that need no monitor of their own share one (``env``), which keeps every version: no
+# test's steps go while another test reads them.
+SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}
+
+
+@pytest.fixture(scope="module")
+def shared_run(shared_monitor) -> str:
+    """The run name of the module's shared monitor, for subscribers that find it by run."""
+    return ray.get(shared_monitor[1].worker_config.remote())["run"]
+
 
 @pytest.fixture(scope="module")
 def idle_rollouts(ray_local):
@@ -189,26 +199,26 @@ def test_a_lease_survives_a_monitor_restart(rollouts, make_monitor, run_name, tm
     coord.close()
 
 
-def test_a_damaged_file_is_refused_naming_it_and_the_model_is_left_alone(make_monitor, run_name, tmp_path):
-    root = str(tmp_path / "ckpt")
-    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="trainer")
-    publish(coord, 1)
-    path = f"{ckptd.step_dir(root, 1)}/model.safetensors"
+def test_a_damaged_file_is_refused_naming_it_and_the_model_is_left_alone(env, shared_run):
+    coord = env.coord()
+    step = env.s + 1
+    publish(coord, step)
+    path = f"{env.step_dir(step)}/model.safetensors"
     with open(path, "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\x00\x01\x02")
-    sub = ckptd.WeightSubscriber(run_name, name="driver")
+    sub = ckptd.WeightSubscriber(shared_run, name="driver")
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(64, 64))
     model.b = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ckptd.CorruptCheckpointError, match="model.safetensors: checksum mismatch"):
-        with sub.open(1) as w:
+        with sub.open(step) as w:
             w.load_into(model)
     assert not model.w.any() and not model.b.any()
     with open(path, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ckptd.CorruptCheckpointError, match="model.safetensors: truncated"):
-        with sub.open(1) as w:
+        with sub.open(step) as w:
             w.state_dict()
     sub.close()
     coord.close()
@@ -297,7 +307,7 @@ def test_a_subscriber_needs_a_monitor_or_a_root(ray_local):
         ckptd.WeightSubscriber("nobody", root="/tmp", kind="weights")
 
 
-def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_monitor, run_name, tmp_path):
+def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(env, shared_run):
     """HF safetensors (one file, and sharded with an index), ckptd shards of 2 ranks, a LoRA adapter,
     HF's pytorch_model.bin and a plain torch.save: each published as a version, loaded by a
     subscriber into a fresh model (other seed), which then computes what the trainer computes."""
@@ -305,9 +315,7 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
     from ckptd.workers import save_hf_model, save_lora_adapter, save_sharded, shard_dim0, snapshot
     from tests import tiny
 
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, max_state_dict_to_keep=None)
-    coords = [ckptd.CheckpointCoordinator(monitor, worker_id=f"rank{r}") for r in range(2)]
+    coords = [ckptd.CheckpointCoordinator(env.monitor, worker_id=f"rank{r}-{env.s}") for r in range(2)]
     trainer = tiny.llama(seed=0)
     lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                                   init_lora_weights=False)
@@ -324,7 +332,7 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
             return [f"{step_dir}/actor/{name}"]
         return fn
 
-    formats = {
+    formats = {  # env.s + k -> (format, writer); k also seeds the fresh model
         1: ("safetensors", lambda d: save_hf_model(f"{d}/actor", sd, trainer.config)),
         2: ("safetensors", lambda d: save_hf_model(f"{d}/actor", sd, trainer.config, max_shard_size="20KB")),
         3: ("sharded", None),
@@ -333,8 +341,9 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
         5: ("torch", pickle_file("pytorch_model.bin")),
         6: ("torch", pickle_file("model.pt")),
     }
-    for step, (_fmt, fn) in formats.items():
-        out = ckptd.step_dir(root, step)
+    for k, (_fmt, fn) in formats.items():
+        step = env.s + k
+        out = env.step_dir(step)
         if fn is None:
             for r in range(2):
                 shards = shard_dim0(sd, r, 2)
@@ -346,14 +355,15 @@ def test_each_format_loads_into_a_model_whose_outputs_equal_the_trainers(make_mo
         coords[0].wait_committed(step, is_state_dict=True, timeout_s=60)
 
     x = torch.randint(0, 64, (2, 8))
-    sub = ckptd.WeightSubscriber(run_name, name="checker")
-    for step, (fmt, _fn) in formats.items():
+    sub = ckptd.WeightSubscriber(shared_run, name="checker")
+    for k, (fmt, _fn) in formats.items():
+        step = env.s + k
         if fmt == "lora":  # the trainer's base model, with other adapter weights
             base = tiny.llama(seed=0)
-            torch.manual_seed(step + 10)
+            torch.manual_seed(k + 10)
             fresh = peft.get_peft_model(base, lora_config)
         else:
-            fresh = tiny.llama(seed=step + 10)
+            fresh = tiny.llama(seed=k + 10)
         expected = lora_trainer if fmt == "lora" else trainer
         with sub.open(step) as w:
             assert w.format == fmt and w.pinned

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -36,12 +35,6 @@ from .verdicts import Comparison
 KEEP = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SaveHarness:
     """Ray, a monitor, a coordinator and a one-rank gloo group (for DCP) around a scratch root."""
 
@@ -57,9 +50,9 @@ class SaveHarness:
         self.step = 0
         self._saves: dict[str, int] = {}
         if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(_free_port())
-            dist.init_process_group("gloo", rank=0, world_size=1)
+            # One rank: an in-process store, no TCP port (a free port picked, closed and then bound
+            # again could be taken in between by another process of a busy machine).
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     def new_dir(self, name: str) -> str:
         """The path of a new directory (not created) for the next save of method ``name``."""

@@ -417,35 +417,39 @@ class Gate:
 HOLD_STEP = 1
 
 
-def registrar_held(monitor) -> bool:
-    """Whether the commit of HOLD_STEP is still in flight, so a wait=False registration of that
-    step queued by :func:`hold_registrar` has not been answered yet."""
-    s = status(monitor).step(HOLD_STEP)
+def registrar_held(monitor, step: int = HOLD_STEP) -> bool:
+    """Whether the commit of the holding ``step`` is still in flight, so a wait=False registration
+    of that step queued by :func:`hold_registrar` has not been answered yet."""
+    s = status(monitor).step(step)
     return s is not None and s.state.value == "committing"
 
 
-def hold_commit(coord, monitor, root: str, seconds: float) -> Callable[[], None]:
-    """Start the commit of HOLD_STEP (one unit of ``coord``) and hold it in ``before_manifest``
-    until the returned function is called, or for ``seconds`` at most; return once it is in flight."""
+def hold_commit(coord, monitor, root: str, seconds: float, step: int = HOLD_STEP) -> Callable[[], None]:
+    """Start the commit of the holding ``step`` (one unit of ``coord``) and hold it in
+    ``before_manifest`` until the returned function is called, or for ``seconds`` at most; return
+    once it is in flight. On a monitor that tests share, each holds a step of its own block (a step
+    commits once)."""
     gate = os.path.join(os.path.dirname(root.rstrip("/")), f"hold-{next(_holds)}")  # beside the root
     arm_in_monitor(monitor, "before_manifest", f"until:{seconds:g}:{gate}")
-    coord.save_async("hold", lambda: write_step_file(root, HOLD_STEP, "hold.bin"), HOLD_STEP)
-    coord.register(HOLD_STEP, checkpoint_thread_count=1)
-    wait_for(lambda: registrar_held(monitor), what="the commit of the holding step to start")
-    arm_in_monitor(monitor, "before_manifest", None)
+    try:
+        coord.save_async("hold", lambda: write_step_file(root, step, "hold.bin"), step)
+        coord.register(step, checkpoint_thread_count=1)
+        wait_for(lambda: registrar_held(monitor, step), what="the commit of the holding step to start")
+    finally:
+        arm_in_monitor(monitor, "before_manifest", None)
     return lambda: open(gate, "w").close()
 
 
 _holds = itertools.count()
 
 
-def hold_registrar(coord, monitor, root: str, seconds: float = 8) -> Callable[[], None]:
+def hold_registrar(coord, monitor, root: str, seconds: float = 8, step: int = HOLD_STEP) -> Callable[[], None]:
     """Hold ``coord``'s registrar until the returned function is called, or for ``seconds`` at
-    most: every wait=False registration made after this is applied only once the commit of
-    HOLD_STEP ends. The bound leaves room for the work a test checks while it is held on a loaded
-    CI machine (3 s once did not); a test that is done looking releases it."""
-    release = hold_commit(coord, monitor, root, seconds)
-    coord.register(HOLD_STEP, wait=False)  # adds nothing: answered once the commit has ended
+    most: every wait=False registration made after this is applied only once the commit of the
+    holding ``step`` ends. The bound leaves room for the work a test checks while it is held on a
+    loaded CI machine (3 s once did not); a test that is done looking releases it."""
+    release = hold_commit(coord, monitor, root, seconds, step)
+    coord.register(step, wait=False)  # adds nothing: answered once the commit has ended
     return release
 
 

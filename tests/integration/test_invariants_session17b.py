@@ -12,18 +12,16 @@ and then waited at the barrier after its write, holding up other writers; it now
 asks for a slot.
 
 The tests that only look at their own steps share one monitor (``env``: each its own block of steps,
-the first of them its holding step, ``_hold_commit``); those that kill or restart the monitor, or need
+the first of them its holding step, ``hold_commit(..., step=)``); those that kill or restart the monitor, or need
 another save strategy, have their own (holding step ``HOLD_STEP``).
 """
 
 from __future__ import annotations
 
 import glob
-import itertools
 import json
 import os
 import threading
-from collections.abc import Callable
 
 import pytest
 import ray
@@ -34,7 +32,7 @@ from ckptd.config import Kind
 
 from .helpers import (
     HOLD_STEP,
-    arm_in_monitor,
+    hold_commit,
     hold_registrar,
     in_thread,
     read_manifest,
@@ -85,39 +83,6 @@ def _state(step: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in weights(step).items()}
 
 
-# helpers.hold_commit / hold_registrar / registrar_held with a holding step of the test's own (a
-# step commits once on the shared monitor, so each test holds the first step of its block, S+1).
-
-_holds = itertools.count()
-
-
-def _held(monitor, step: int) -> bool:
-    """Whether the commit of the holding step ``step`` is still in flight (registrar_held)."""
-    s = status(monitor).step(step)
-    return s is not None and s.state.value == "committing"
-
-
-def _hold_commit(coord, monitor, root: str, step: int, seconds: float) -> Callable[[], None]:
-    """helpers.hold_commit, holding the commit of ``step`` (one unit of ``coord``, hold.bin)."""
-    gate = os.path.join(os.path.dirname(root.rstrip("/")), f"hold17b-{next(_holds)}")  # beside the root
-    arm_in_monitor(monitor, "before_manifest", f"until:{seconds:g}:{gate}")
-    try:
-        coord.save_async("hold", lambda: write_step_file(root, step, "hold.bin"), step)
-        coord.register(step, checkpoint_thread_count=1)
-        wait_for(lambda: _held(monitor, step), what="the commit of the holding step to start")
-    finally:
-        arm_in_monitor(monitor, "before_manifest", None)
-    return lambda: open(gate, "w").close()
-
-
-def _hold_registrar(coord, monitor, root: str, step: int, seconds: float = 8) -> Callable[[], None]:
-    """helpers.hold_registrar, holding the commit of ``step``: every wait=False registration of
-    ``coord`` made after this is applied only once that commit ends."""
-    release = _hold_commit(coord, monitor, root, step, seconds)
-    coord.register(step, wait=False)  # adds nothing: answered once the commit has ended
-    return release
-
-
 # -- 1. every path that makes units: no deadlock, no short commit --------------------------------
 
 
@@ -127,19 +92,19 @@ def test_every_thread_path_waits_for_earlier_registrations_and_before_update_doe
     held, before_update returns meanwhile, and the step commits with all four units."""
     root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
     coord = env.coord()
-    release = _hold_registrar(coord, monitor, root, hold)
+    release = hold_registrar(coord, monitor, root, step=hold)
     for _ in range(4):
         coord.register(s5, checkpoint_thread_count=1, wait=False)
     wrote = threading.Event()
     coord.save_state_async("fenced", _state(5), s5, fenced=True)
     coord.before_update()  # the fence waits for the copy only, never for the registrations
-    assert _held(monitor, hold), "before_update waited for the held registrations"
+    assert registrar_held(monitor, hold), "before_update waited for the held registrations"
     coord.save_state_async("eager", _state(5), s5)
     coord.save_async("a", lambda: (write_step_file(root, s5, "a.bin"), wrote.set()) and None, s5)
     wait_for(wrote.is_set, what="a.bin to be written")
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "eager.safetensors")),
              what="the eager snapshot to be written")
-    assert _held(monitor, hold)
+    assert registrar_held(monitor, hold)
     assert _finished(monitor, s5) == [] and "finished" not in _receipts(root, s5)
     release()
     coord.save_sync(lambda: write_step_file(root, s5, "sync.bin"), s5)  # returns once its barrier passed
@@ -155,7 +120,7 @@ def test_every_thread_path_waits_for_earlier_registrations_and_before_update_doe
 def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(env):
     root, monitor, hold, s5, s6 = env.root, env.monitor, env.s + 1, env.s + 5, env.s + 6
     coord = env.coord(writer="process", max_staged=1)
-    release = _hold_registrar(coord, monitor, root, hold)
+    release = hold_registrar(coord, monitor, root, step=hold)
     coord.register(s5, checkpoint_thread_count=1, wait=False)
     coord.register(s5, checkpoint_thread_count=1, wait=False)
     coord.register(s6, checkpoint_thread_count=1, wait=False)
@@ -165,7 +130,7 @@ def test_staged_saves_written_by_a_writer_process_wait_for_the_barrier(env):
     # max_staged=1: the next save of "model" needs the buffers of the first, handed back when its
     # write ended, not when its barrier passed.
     assert in_thread(lambda: coord.save_state_async("model", _state(6), s6), timeout_s=20)[0] == "ok"
-    assert _held(monitor, hold), "a staged save of the writer process waited for the held registrations"
+    assert registrar_held(monitor, hold), "a staged save of the writer process waited for the held registrations"
     assert _finished(monitor, s5) == [] and _finished(monitor, s6) == []
     release()
     coord.wait_all()
@@ -206,13 +171,13 @@ def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations
     run = ray.get(monitor.ping.remote())["run"]  # the shared monitor's
     actor = _ActorCoordinator.remote(run, root)
     driver = env.coord()
-    release = _hold_commit(driver, monitor, root, hold, 8)
+    release = hold_commit(driver, monitor, root, 8, step=hold)
     ray.get(actor.register_bg.remote(hold, 0))  # the actor's registrar is held now
     ray.get(actor.register_bg.remote(s5, 1))
     ray.get(actor.register_bg.remote(s5, 1))
     ray.get(actor.save.remote(s5, "a"))
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "a.bin")), what="a.bin")
-    assert _held(monitor, hold) and _finished(monitor, s5) == []
+    assert registrar_held(monitor, hold) and _finished(monitor, s5) == []
     release()
     ray.get(actor.wait_all.remote(), timeout=30)
     s = status(monitor).step(s5)
@@ -233,7 +198,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     a = ckptd.CheckpointCoordinator(monitor, worker_id=f"ca{env.s}")
     b = ckptd.CheckpointCoordinator(monitor, worker_id=f"cb{env.s}")  # same process: one shared notifier
     # Held long enough for b's two saves and its commit on a loaded CI machine (3 s once was not).
-    release = _hold_registrar(a, monitor, root, hold, seconds=12)
+    release = hold_registrar(a, monitor, root, seconds=12, step=hold)
     a.register(s8, checkpoint_thread_count=1, wait=False)
     a.save_async("a", lambda: write_step_file(root, s8, "a.bin"), s8)
     # b, with background registrations of its own, saves and commits while a's are held.
@@ -242,7 +207,7 @@ def test_another_coordinator_of_the_process_does_not_wait_for_held_registrations
     b.save_async("b1", lambda: write_step_file(root, s9, "b1.bin"), s9)
     b.save_sync(lambda: write_step_file(root, s9, "b2.bin"), s9)
     b.wait_committed(s9, timeout_s=30)
-    assert _held(monitor, hold), "coordinator b waited for coordinator a's registrations"
+    assert registrar_held(monitor, hold), "coordinator b waited for coordinator a's registrations"
     assert _finished(monitor, s8) == []
     assert _files(root, s9) == ["b1.bin", "b2.bin"]
     release()
@@ -264,7 +229,7 @@ def test_a_unit_queued_before_a_held_registration_finishes_while_it_is_held(env)
         write_step_file(root, st7, "early.bin")
 
     coord.save_async("early", early, st7)  # before any wait=False registration
-    release = _hold_registrar(coord, monitor, root, hold)
+    release = hold_registrar(coord, monitor, root, step=hold)
     coord.register(st8, checkpoint_thread_count=1, wait=False)
     coord.save_async("late", lambda: write_step_file(root, st8, "late.bin"), st8)
     gate.set()
@@ -320,7 +285,7 @@ def test_with_a_throttling_strategy_a_unit_waiting_on_the_barrier_does_not_hold_
 def test_a_refused_held_registration_releases_the_barrier_and_the_next_step_commits_whole(env):
     root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
     coord = env.coord()
-    release = _hold_commit(coord, monitor, root, hold, 3)
+    release = hold_commit(coord, monitor, root, 3, step=hold)
     coord.register(hold, checkpoint_thread_count=1, wait=False)  # refused once the commit ends
     coord.register(s5, checkpoint_thread_count=2, wait=False)
     coord.save_async("a", lambda: write_step_file(root, s5, "a.bin"), s5)
@@ -395,7 +360,7 @@ def test_a_monitor_restart_while_units_wait_on_the_barrier_never_commits_short(m
 def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(env):
     root, monitor, hold, s5, s6 = env.root, env.monitor, env.s + 1, env.s + 5, env.s + 6
     coord = env.coord(max_pending=1, max_staged=1)
-    release = _hold_registrar(coord, monitor, root, hold)
+    release = hold_registrar(coord, monitor, root, step=hold)
     coord.register(s5, checkpoint_thread_count=3, wait=False)
     coord.register(s6, checkpoint_thread_count=2, wait=False)
     done = threading.Event()
@@ -411,7 +376,7 @@ def test_full_lanes_and_staging_behind_held_registrations_unblock_once_released(
     worker.start()
     wait_for(lambda: os.path.exists(os.path.join(ckptd.step_dir(root, s5), "m0.bin")), what="m0.bin")
     # m0 waits at its barrier, so the third save of the lane cannot have returned yet.
-    assert _held(monitor, hold) and not done.is_set()
+    assert registrar_held(monitor, hold) and not done.is_set()
     release()
     worker.join(20)
     assert done.is_set(), "the training thread stayed blocked after the registrations were applied"

@@ -109,25 +109,32 @@ wait_for_head_node() {
   return 1
 }
 
-# A loaded machine can also make the head node's own start time out (its raylet not registered
-# with its GCS in time): like the worker node below, a head node that gave up is started once more.
-start_head_node
-for attempt in 1 2; do
-  rc=0
-  wait_for_head_node || rc=$?
-  [ "$rc" = 0 ] && break
-  if [ "$rc" = 3 ] && [ "$attempt" = 1 ]; then
-    echo "two_nodes.sh: the head node stopped before it started; starting it again" >&2
-    tail -n 3 "$work/head.log" >&2
+# Ray gives a starting node 30 s to register with the GCS and then gives up; on a loaded machine
+# that is not always enough, for the worker node and for the head node's own raylet alike. So a
+# node whose `ray start` gave up before the node was up is started once more. bring_up head|worker
+# returns 0 once the node is up, 3 if its `ray start` gave up twice, 1 on any other failure.
+bring_up() {
+  local node=$1 rc attempt
+  "start_${node}_node"
+  for attempt in 1 2; do
+    rc=0
+    "wait_for_${node}_node" || rc=$?
+    if [ "$rc" != 3 ] || [ "$attempt" = 2 ]; then return "$rc"; fi
+    echo "two_nodes.sh: the $node node stopped before it was up; starting it again" >&2
+    tail -n 3 "$work/$node.log" >&2
     kill -KILL -- "-${pids[-1]}" 2>/dev/null || true  # whatever its failed start left running
-    mv "$work/head.log" "$work/head.1.log"
-    start_head_node
-    continue
-  fi
+    mv "$work/$node.log" "$work/$node.1.log"
+    "start_${node}_node"
+  done
+}
+
+rc=0
+bring_up head || rc=$?
+if [ "$rc" != 0 ]; then
   cat "$work/head.log" >&2
   echo "two_nodes.sh: the head node did not start" >&2
   exit 1
-done
+fi
 address=$(cat "$work/h/ray_current_cluster")  # host:port of the head node's GCS
 
 # The worker node: its own mount namespace, where $worker_src is mounted at $mnt.
@@ -169,25 +176,13 @@ while len([n for n in ray.nodes() if n["Alive"]]) < 2:
 PY
 }
 
-# Ray gives a starting node 30 s to register with the GCS and then gives up; on a loaded machine
-# that is not always enough, so a worker node that gave up is started once more.
-start_worker_node
-for attempt in 1 2; do
-  rc=0
-  wait_for_worker_node || rc=$?
-  [ "$rc" = 0 ] && break
-  if [ "$rc" = 3 ] && [ "$attempt" = 1 ]; then
-    echo "two_nodes.sh: the worker node stopped before it joined the cluster; starting it again" >&2
-    tail -n 3 "$work/worker.log" >&2
-    kill -KILL -- "-${pids[-1]}" 2>/dev/null || true  # whatever its failed start left running
-    mv "$work/worker.log" "$work/worker.1.log"
-    start_worker_node
-    continue
-  fi
+rc=0
+bring_up worker || rc=$?
+if [ "$rc" != 0 ]; then
   [ "$rc" = 3 ] && echo "two_nodes.sh: the worker node stopped before it joined the cluster" >&2
   tail -n 30 "$work/head.log" "$work/worker.log" >&2
   exit 1
-done
+fi
 echo "two Ray nodes up at $address (temp dirs $work/h and $work/w); mode $mode: the worker node sees" \
      "$([ "$mode" = shared ] && echo "the same directory" || echo "its own disk") at $mnt"
 

@@ -73,6 +73,13 @@ def shared_monitor(ray_local, tmp_path_factory, request):
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def shared_run(shared_monitor) -> str:
+    """The run name of the module's shared monitor, for what finds it by run (a subscriber, a
+    coordinator in another process)."""
+    return ray.get(shared_monitor[1].worker_config.remote())["run"]
+
+
 @pytest.fixture
 def env(shared_monitor):
     """A test's own block of steps on its module's shared monitor (see ``helpers.Env``)."""

@@ -26,8 +26,8 @@ from ckptd.layout import MANIFESTS, TRACKERS
 
 from .helpers import (
     REPO,
-    arm_in_monitor,
     disk_full,
+    hold_registrar,
     in_thread,
     read_manifest,
     restart_monitor,
@@ -74,15 +74,9 @@ def test_two_background_registrations_made_before_any_unit_never_commit_the_step
     root, monitor, s1, s5 = env.root, env.monitor, env.s + 1, env.s + 5
     coord = env.coord()
     # Hold the registrar deterministically: a registration of step S+1 waits (quiesce) while the
-    # commit of step S+1 is in flight, held in before_manifest. Everything queued behind it waits too.
-    arm_in_monitor(monitor, "before_manifest", "delay:3")
-    try:
-        coord.save_async("model", lambda: write_step_file(root, s1, "model.bin"), s1)
-        coord.register(s1, checkpoint_thread_count=1)
-        wait_for(lambda: status(monitor).step(s1).state.value == "committing", what="step S+1 to start committing")
-    finally:
-        arm_in_monitor(monitor, "before_manifest", None)
-    coord.register(s1, wait=False)  # adds nothing: only waits for the commit of step S+1
+    # commit of step S+1 is in flight, held in before_manifest for 3 s. Everything queued behind it
+    # waits too.
+    hold_registrar(coord, monitor, root, seconds=3, step=s1)
     # Trinity's additive counting, both registrations made before any unit of step S+5 starts.
     coord.register(s5, checkpoint_thread_count=1, wait=False)
     coord.register(s5, checkpoint_thread_count=1, wait=False)

@@ -23,12 +23,6 @@ SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}
 
 
 @pytest.fixture(scope="module")
-def shared_run(shared_monitor) -> str:
-    """The run name of the module's shared monitor, for subscribers that find it by run."""
-    return ray.get(shared_monitor[1].worker_config.remote())["run"]
-
-
-@pytest.fixture(scope="module")
 def idle_rollouts(ray_local):
     idle: list = []
     yield idle

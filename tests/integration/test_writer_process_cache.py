@@ -31,11 +31,6 @@ from .helpers import kill_gated_writer, wait_all, wait_for
 SHARED_MONITOR_OPTIONS = {"max_state_dict_to_keep": None}
 
 
-@pytest.fixture(scope="module")
-def shared_run(shared_monitor) -> str:
-    """The run name of the module's shared monitor, for a coordinator that finds it by run."""
-    return ray.get(shared_monitor[1].worker_config.remote())["run"]
-
 # -- what runs in the writer process -------------------------------------------------------------
 
 # Module-level, so they live in the writer process across jobs: weak references to the storages

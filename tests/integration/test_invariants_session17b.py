@@ -166,9 +166,8 @@ class _ActorCoordinator:
         self.coord.close()
 
 
-def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations(env):
-    root, monitor, hold, s5 = env.root, env.monitor, env.s + 1, env.s + 5
-    run = ray.get(monitor.ping.remote())["run"]  # the shared monitor's
+def test_a_coordinator_in_a_ray_actor_waits_for_its_own_background_registrations(env, shared_run):
+    root, monitor, hold, s5, run = env.root, env.monitor, env.s + 1, env.s + 5, shared_run
     actor = _ActorCoordinator.remote(run, root)
     driver = env.coord()
     release = hold_commit(driver, monitor, root, 8, step=hold)

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -85,11 +84,10 @@ def _stand_in(device: str, seconds: float) -> Callable[[], None]:
 
 
 def _init_group() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # One rank: an in-process store, no TCP port (as bench.saves: a free port picked, closed and
+    # bound again could be taken in between by another process).
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def measure(mib: int, args: argparse.Namespace) -> dict:

@@ -147,11 +147,20 @@ def actor_gone(handle, method: str = "ping") -> bool:
 def kill_gated_writer(gate: str) -> int:
     """SIGKILL the writer process that wrote its pid to ``{gate}.waiting`` (a write_fn waiting
     for the file ``gate``), once it has; its pid."""
-    wait_for(lambda: os.path.exists(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
-    with open(f"{gate}.waiting") as f:
-        pid = int(f.read())
+    pid = wait_for(lambda: _written_pid(f"{gate}.waiting"), timeout_s=60, what="the writer to start the write")
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def _written_pid(path: str) -> int | None:
+    """The pid in ``path``, or None until the file exists and holds it (it is created empty and
+    then written: read in between, it is empty)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    return int(text) if text else None
 
 
 def status(monitor):

@@ -29,6 +29,15 @@ def connect_ray() -> bool:
     return True
 
 
+def one_rank_group(backend: str = "gloo") -> None:
+    """A process group of this process alone (DCP needs one), on an in-process store: no TCP
+    port, since a free port picked, closed and bound again can be taken in between by another
+    process of a busy machine (EADDRINUSE on one loaded run)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def make_state(nbytes: int, tensors: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     """float32 tensors totalling ``nbytes``, like a model's parameters."""
     g = torch.Generator().manual_seed(seed)

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptd.coordinator.staging import StagingArea, tensors_of
 
+from .common import one_rank_group
 from .stats import bootstrap_ratio, interleave_rounds, verdict
 
 MiB = 1 << 20
@@ -84,10 +85,7 @@ def _stand_in(device: str, seconds: float) -> Callable[[], None]:
 
 
 def _init_group() -> None:
-    # One rank: an in-process store, no TCP port (as bench.saves: a free port picked, closed and
-    # bound again could be taken in between by another process).
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    one_rank_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
 def measure(mib: int, args: argparse.Namespace) -> dict:

@@ -27,7 +27,7 @@ from ckptd.direct_io import direct_io_for
 from ckptd.phases import COMMIT, NOTIFICATION, RECEIPT, TRACKERS, WRITE
 
 from . import breakdown
-from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, timed
+from .common import MiB, Row, busy_compute, connect_ray, fsync_tree, one_rank_group, timed
 from .stats import interleave
 from .verdicts import Comparison
 
@@ -50,9 +50,7 @@ class SaveHarness:
         self.step = 0
         self._saves: dict[str, int] = {}
         if not dist.is_initialized():
-            # One rank: an in-process store, no TCP port (a free port picked, closed and then bound
-            # again could be taken in between by another process of a busy machine).
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            one_rank_group()
 
     def new_dir(self, name: str) -> str:
         """The path of a new directory (not created) for the next save of method ``name``."""

@@ -28,6 +28,9 @@ class Comparison:
         noise: What makes this comparison noisy, for an inconclusive verdict's reason.
         detail: Where the difference goes, from the scenario's other rows: added to the reason
             of a verdict that is not met.
+        outside: Why this run is outside the target's condition (P3's "when the checkpoint
+            interval is longer than the save time"), or "" when it is within it. A run outside
+            it is inconclusive whatever its interval: it did not measure what the target bounds.
     """
 
     target: str
@@ -36,6 +39,7 @@ class Comparison:
     percent: bool = False
     noise: str = ""
     detail: str = ""
+    outside: str = ""
 
 
 def _show(value: float, percent: bool) -> str:
@@ -56,6 +60,8 @@ def judge(c: Comparison, limit: float, *, smoke: bool = False) -> dict:
     interval = f"interval {_show(est.low, c.percent)} to {_show(est.high, c.percent)}"
     if smoke:
         v, reason = Verdict.INCONCLUSIVE, "smoke run: tiny sizes and few pairs"
+    elif c.outside:
+        v, reason = Verdict.INCONCLUSIVE, f"outside the target's condition: {c.outside}"
     elif v is Verdict.INCONCLUSIVE:
         reason = f"{interval} straddles {limit:g}{' %' if c.percent else ''}"
         if c.noise:

@@ -66,6 +66,10 @@ def test_bench_smoke_reports_every_scenario_with_verdicts_and_phases(ray_local, 
         bare_lost = p3["bare checkpoint: training time lost per checkpoint"]
         assert len(bare["samples"]) == 3 and all(s > 0 for s in bare["samples"]), bare
         assert bare_lost["samples"] == [(c - b) * steps / 2 for c, b in zip(bare["samples"], base, strict=True)]
+        # Each checkpoint's save time, against which the target's condition (an interval longer
+        # than the save time) is checked: one per committed save, as the phases have them.
+        save_time = p3["ckptd: save time of a checkpoint"]
+        assert len(save_time["samples"]) == 6 and all(s > 0 for s in save_time["samples"]), save_time
     # P9: both modes measured on the real monitor through node and zone relays.
     p9 = {r["method"]: r for r in result["rows"] if r["scenario"] == "P9 scale"}
     for mode in ("spread", "burst"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from bench.__main__ import ram_dir_problem
 from bench.common import MiB, Row
 from bench.report import limit_of, paired_checks, single_checks, targets_table
+from bench.training import interval_condition
 from bench.verdicts import Comparison, judge
 
 
@@ -45,6 +46,25 @@ def test_a_slowdown_target_is_judged_in_percent():
     table = targets_table({"P3 ckptd slowdown % (python)": t}, [("P2 (RAM)", "/nope does not exist")])
     assert "| P3 ckptd slowdown % (python) | 5 | 5 – 5 | ≤ 3 | 9 | missed |" in table
     assert "| P2 (RAM) | – | – | – | – | skipped | /nope does not exist |" in table
+
+
+def test_a_run_outside_the_targets_condition_is_inconclusive_whatever_it_measured():
+    """P3's target holds "when the checkpoint interval is longer than the save time": a run whose
+    saves took longer than its interval measured something else, and says so."""
+    base = Row("P3", "none", "s/step", [1.0] * 9)
+    slow = Row("P3", "ckptd", "s/step", [1.20] * 9)
+    outside, had = interval_condition(interval=1.0, save_times=[0.9, 1.4, 1.6])
+    assert "not longer than the save time" in outside and "--py-every" in outside and "1.4 s" in had
+    t = judge(Comparison("P3 ckptd slowdown % (python)", slow, base, percent=True, outside=outside), 3.0)
+    assert t["verdict"] == "inconclusive" and t["reason"] == f"outside the target's condition: {outside}"
+    # Within the condition the same figures are judged as they are; the condition is in the reason.
+    outside, had = interval_condition(interval=2.0, save_times=[0.9, 1.4, 1.6])
+    assert outside == "" and had.endswith("(within the target's condition)")
+    t = judge(Comparison("P3 ckptd slowdown % (python)", slow, base, percent=True, detail=had), 3.0)
+    assert t["verdict"] == "missed" and t["reason"] == had
+    assert interval_condition(1.0, [])[0] == ""  # no save time read back: the condition cannot be checked
+    # A smoke run stays a smoke run.
+    assert "smoke" in judge(Comparison("P3", slow, base, percent=True, outside="x"), 3.0, smoke=True)["reason"]
 
 
 def test_the_ram_run_is_skipped_with_a_reason(tmp_path):

@@ -10,9 +10,15 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from typing import Any
 
 from ckptd.config import Kind
+
+
+def utc(seconds: float) -> str:
+    """A manifest's time (seconds since the epoch) as people read it: ``2026-11-27 14:22:13.303 UTC``."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
 def add_parsers(sub: Any, storage_options_help: str) -> None:
@@ -132,7 +138,7 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     print(f"step {committed.step}: {committed.path}")
     for kind, m in manifests.items():
-        print(f"\n{kind}: committed at {m['committed_at']:.3f} by attempt {m.get('attempt')}, "
+        print(f"\n{kind}: committed {utc(m['committed_at'])} by attempt {m.get('attempt')}, "
               f"{len(m['units'])} units, {len(m['files'])} files")
         for f in sorted(m["files"], key=lambda f: f["path"]):
             print(f"  {f['path']:<60} {size(f['size']):>10}  crc32 {f['crc32']}")

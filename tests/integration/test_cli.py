@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import pytest
 import torch
@@ -64,6 +65,9 @@ def test_ls_show_latest_and_export_read_a_root(root, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "show", root, "1", "--json")
     manifest = json.loads(out)["checkpoint"]
     assert code == 0 and {f["path"] for f in manifest["files"]} == {"config.json", "model.safetensors"}
+    code, out, _ = run_cli(capsys, "show", root, "1")  # the commit's time in UTC, as people read it
+    when = datetime.fromtimestamp(manifest["committed_at"], timezone.utc)
+    assert code == 0 and f"checkpoint: committed {when:%Y-%m-%d %H:%M:%S}." in out and " UTC by attempt " in out
     code, _, err = run_cli(capsys, "show", root, "7")
     assert code == 1 and "step 7 is not committed" in err
 

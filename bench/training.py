@@ -288,9 +288,9 @@ def _p3(h: SaveHarness, variant: str, loop: _Loop, steps: int, every: int, pairs
     floor = bootstrap_ratio(bare.samples, base.samples)
     over_floor = bootstrap_ratio(a, c)
     outside, condition = interval_condition(every * ck.median, save_time.samples)
-    detail = (f"{condition}; of a step, the training thread spends {in_calls:.1f} % in ckptd calls (the save "
-              f"calls and the fence, which waits for the part of the staging copy not done when the optimizer "
-              f"step comes) and "
+    lead = "" if outside else f"{condition}; "  # an outside verdict's reason says it already
+    detail = (f"{lead}of a step, the training thread spends {in_calls:.1f} % in ckptd calls (the save calls and "
+              f"the fence, which waits for the part of the staging copy not done when the optimizer step comes) and "
               f"{cpu:+.1f} % in CPU time; the rest is waiting for the GIL or a core. The floor, a bare background "
               f"copy and write of the same state with nothing else, slows this loop {(floor.ratio - 1) * 100:+.1f} % "
               f"(interval {(floor.low - 1) * 100:+.1f} to {(floor.high - 1) * 100:+.1f} %), "

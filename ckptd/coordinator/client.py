@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import weakref
@@ -27,6 +28,24 @@ log = logging.getLogger("ckptd.coordinator")
 # simulator, or an actor that drives several workers) batch their notifications together.
 _notifiers: weakref.WeakValueDictionary[tuple, Notifier] = weakref.WeakValueDictionary()
 _notifiers_lock = threading.Lock()
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` runs on this node (a killed one its parent has not reaped yet,
+    a zombie, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc (macOS): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True  # another user's process
+        return True
 
 
 def _shared_notifier(client: MonitorClient) -> Notifier:
@@ -139,33 +158,46 @@ class MonitorClient:
 
     def _get_while_alive(self, ref: Any, method: str) -> Any:
         """``ray.get(ref)`` for as long as the monitor answers a ping within the client's timeout,
-        or Ray is restarting it (a ping waits for the restart, which may take longer)."""
+        or Ray is restarting it (a ping waits for the restart, which may take longer).
+
+        Each window of the timeout sends a ping alongside the wait. The monitor counts as stuck
+        only when the pings of two windows in a row went unanswered while it was not being
+        restarted: a process just killed stays ALIVE in the GCS until its raylet reports the
+        death, which can take more than a second on a loaded node."""
+        unanswered = 0
         while True:
-            try:
-                return ray.get(ref, timeout=self._timeout_s)
-            except GetTimeoutError:
-                pass
             require_ray()
-            try:
-                ray.get(self._handle.ping.remote(), timeout=self._timeout_s)
-            except GetTimeoutError:
-                if not self._restarting():
-                    raise self._unanswered(method, None) from None
-            except RayActorError:
-                pass  # gone: ``ref`` raises it too, and the caller retries
+            ping = self._handle.ping.remote()
+            if ray.wait([ref], timeout=self._timeout_s)[0]:
+                return ray.get(ref)
+            if ray.wait([ping], timeout=0)[0]:
+                unanswered = 0  # answered, or the actor is gone: ``ref`` raises that too, and the caller retries
+            elif self._restarting():
+                unanswered = 0
+            else:
+                unanswered += 1
+                if unanswered >= 2:
+                    raise self._unanswered(method, None)
 
     def _restarting(self) -> bool:
-        """Whether Ray is restarting the monitor's actor (the GCS says so), which a ping that goes
-        unanswered cannot tell from a stopped process. A private Ray API (``ray._private.state``,
-        as in ``drain_watch``): where it fails, False."""
+        """Whether Ray is restarting the monitor's actor (the GCS says so, or says it is alive in
+        a process on this node that no longer exists), which a ping that goes unanswered cannot
+        tell from a stopped process. A private Ray API (``ray._private.state``, as in
+        ``drain_watch``): where it fails, False."""
         try:
             from ray._private import state
 
             info = state.actors(actor_id=self._handle._actor_id.hex())
+            here = ray.get_runtime_context().get_node_id()
         except Exception:
             return False
-        return isinstance(info, dict) and info.get("State") in ("RESTARTING", "PENDING_CREATION",
-                                                                "DEPENDENCIES_UNREADY")
+        if not isinstance(info, dict):
+            return False
+        if info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY"):
+            return True
+        pid = info.get("Pid")
+        return (info.get("State") == "ALIVE" and isinstance(pid, int) and pid > 0
+                and (info.get("Address") or {}).get("NodeID") == here and not _process_exists(pid))
 
     async def call_async(self, method: str, *args: Any, bounded: bool = True) -> Any:
         """:meth:`call` for a coroutine, with the client's timeout as the bound on the answer;

@@ -80,6 +80,12 @@ only after the check, and a starting monitor gives its held failures such an eve
 ``_changed_state_dict(rec, entries)``, which counts ``checks``; (3) ``_get_while_alive`` goes on
 waiting while Ray says the monitor is being restarted (``_restarting``, the GCS's actor state),
 and an unbounded wait that outlived its monitor gets the timeout for its retries from then on.
+
+Found later (session 32, a CI run on a loaded machine): a monitor killed on this node stays ALIVE
+in the GCS until the raylet reports the death, more than a second under load, so (3) still cut
+the unbounded wait short. ``_restarting`` now also counts a monitor whose process on this node is
+gone (or a zombie), and a stall needs the pings of two windows in a row unanswered (a death on
+another node gets one more window); the last case holds the raylet to make that window certain.
 """
 
 from __future__ import annotations
@@ -272,3 +278,51 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_restart_as_a_bounded_one_does(
     assert outcomes[DEADLINE_S] == "committed", outcomes
     assert outcomes[None] == "committed", (
         f"wait_committed(timeout_s=None) was cut short by the monitor's restart: {outcomes[None]}")
+
+
+def _raylet_pid() -> int:
+    """This node's raylet, which tells the GCS that a worker process died."""
+    from ray._private import worker
+    from ray._private.ray_constants import PROCESS_TYPE_RAYLET
+
+    return worker._global_node.all_processes[PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_heard_of(make_monitor, tmp_path):
+    """The monitor is SIGKILLed while the raylet that would report its death is held (SIGSTOP,
+    as a loaded node delays it): for 3 timeouts the GCS still says the dead monitor is ALIVE and
+    pings go unanswered, which also describes a stopped monitor. The dead process settles it:
+    the unbounded wait goes on, Ray restarts the monitor once the raylet resumes, step 2 commits."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    timeout_s = 1.0
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=timeout_s)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    coord.register(2, checkpoint_thread_count=1)
+    outcome: list = []
+
+    def wait():
+        try:
+            coord.wait_committed(2, timeout_s=None)
+            outcome.append("committed")
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    wait_for(lambda: _waits_in_monitor(monitor) == 1, timeout_s=DEADLINE_S, what="the wait to reach the monitor")
+    pid, raylet = ray.get(monitor.ping.remote())["pid"], _raylet_pid()
+    os.kill(raylet, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        waiter.join(3 * timeout_s)  # time must pass: three windows of unanswered pings
+        assert not outcome, f"the wait ended while the monitor's death was not yet known: {outcome}"
+    finally:
+        os.kill(raylet, signal.SIGCONT)
+    wait_for(lambda: ray.get(monitor.ping.remote())["pid"] != pid, timeout_s=DEADLINE_S, what="the restart")
+    later = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
+    later.save_sync(lambda: write_file(f"{ckptd.step_dir(root, 2)}/model.bin", os.urandom(64)), 2)
+    waiter.join(DEADLINE_S)
+    coord.close()
+    later.close()
+    assert outcome == ["committed"], f"wait_committed(timeout_s=None) was cut short by the monitor's death: {outcome}"

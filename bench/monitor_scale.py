@@ -17,6 +17,8 @@ from .common import Row
 
 #: The row of every step's commit latency, from which the P4 targets' percentiles are judged.
 COMMIT_LATENCIES = "commit latency, each step"
+#: The row of every step's wall time, from which the rate's interval is judged.
+STEP_TIMES = "wall time, each step"
 
 
 @ray.remote(num_cpus=0)
@@ -74,12 +76,15 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
     actors = [Host.remote(run, i * per, min(per, workers - i * per), units) for i in range(hosts) if i * per < workers]
     assert sum(ray.get([a.ready.remote() for a in actors])) == workers  # started before the clock
     before = ray.get(monitor.status.remote()).notifications
-    t0 = time.perf_counter()
+    start = time.perf_counter()
+    step_ends = []
     for step in range(1, steps + 1):
         driver.register(step, checkpoint_thread_count=workers * units)
         ray.get([a.step.remote(step) for a in actors])
+        step_ends.append(time.perf_counter())
     driver.wait_committed(steps, timeout_s=600)
-    elapsed = time.perf_counter() - t0
+    step_ends[-1] = time.perf_counter()  # the last step's time includes its commit
+    elapsed = step_ends[-1] - start
     st = ray.get(monitor.status.remote())
     latencies = sorted(s.committed_at - s.ready_at for s in st.steps if s.committed and s.ready_at)
     ray.get([a.close.remote() for a in actors])
@@ -107,7 +112,9 @@ def p4_monitor(base_dir: str | None, workers: int, units: int, steps: int, hosts
     each = Row(scenario, COMMIT_LATENCIES, "s", latencies,
                "every step's (last unit finished -> trackers durable): the targets' percentiles and intervals")
     rate = Row(scenario, "notifications per second", "1/s", [(st.notifications - before) / elapsed], note)
+    per_step = Row(scenario, STEP_TIMES, "s", [float(t) for t in np.diff([start, *step_ends])],
+                   "each step's wall time (its notifications are the same every step): the rate's interval")
     alone = Row(scenario, "notifications per second, monitor alone", "1/s", [flood_rate],
                 f"the same events sent by {len(floods)} processes in batches of {2 * units} (one worker's units), "
                 "no save threads or receipt files")
-    return [p50, p99, each, rate, alone]
+    return [p50, p99, each, rate, per_step, alone]

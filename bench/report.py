@@ -3,16 +3,17 @@
 P1, P2 and P3 targets are ratios measured as interleaved pairs: each gets an interval and a
 verdict from :func:`bench.verdicts.judge` (met / missed / inconclusive, with the reason).
 Percentiles of commit latencies (P4, P9) are judged the same way, by a bootstrap interval over
-their steps. The other targets are single values: rates of one long run and a memory ratio get
-met / missed; ratios of two medians that were not paired get no verdict ("indicative").
+their steps, and so is P4's rate (by its steps' wall times). The other targets are single values:
+a latency median of one run and a memory ratio get met / missed; ratios of two medians that were
+not paired get no verdict ("indicative").
 """
 
 from __future__ import annotations
 
 from .common import Row
-from .monitor_scale import COMMIT_LATENCIES
+from .monitor_scale import COMMIT_LATENCIES, STEP_TIMES
 from .scale import EACH_STEP
-from .stats import Verdict, bootstrap_quantile, verdict
+from .stats import Estimate, Verdict, bootstrap_quantile, bootstrap_rate, verdict
 from .verdicts import Comparison, judge
 
 P2_TARGET = "P2 ckptd durable / safetensors+fsync"
@@ -72,21 +73,24 @@ def single_checks(rows: list[Row], smoke: bool = False) -> dict[str, dict]:
         out[name] = {"value": value, "target": target, "verdict": verdict, "met": met if judged else None,
                      "note": note}
 
-    def add_quantile(name: str, samples: list[float], q: float, what: str, extra: str = "") -> None:
-        """A percentile target judged like a ratio: by its bootstrap interval (in ms). ``what``:
-        the samples, a plural noun ("commits")."""
-        est = bootstrap_quantile([x * 1000 for x in samples], q)
+    def add_estimate(name: str, est: Estimate, note: str, straddles: str) -> None:
+        """A target judged like a ratio, by its bootstrap interval; ``straddles`` says why an
+        interval across the limit cannot decide."""
         target = limit_of(name)
-        v = verdict(est, at_most=target)
-        note = f"the p{q * 100:g} of {est.n} {what}{extra}"
+        v = verdict(est, **{"at_least" if base_of(name) in MINIMUMS else "at_most": target})
         if smoke:
             v, note = Verdict.INCONCLUSIVE, "smoke run: tiny sizes"
         elif v is Verdict.INCONCLUSIVE:
-            note += (f"; interval {est.low:.3g} to {est.high:.3g} ms straddles {target:g}: decided by the slowest "
-                     f"{max(1, round(est.n * (1 - q)))} or so, and one slow {what[:-1]} on this VM moves it; "
-                     "more steps narrow it")
+            note += f"; interval {est.low:.3g} to {est.high:.3g} straddles {target:g}: {straddles}"
         out[name] = {"value": est.value, "low": est.low, "high": est.high, "n": est.n, "target": target,
                      "verdict": v.value, "met": {Verdict.MET: True, Verdict.MISSED: False}.get(v), "note": note}
+
+    def add_quantile(name: str, samples: list[float], q: float, what: str, extra: str = "") -> None:
+        """A percentile (in ms) by its interval over ``samples``; ``what``: a plural noun ("commits")."""
+        est = bootstrap_quantile([x * 1000 for x in samples], q)
+        add_estimate(name, est, f"the p{q * 100:g} of {est.n} {what}{extra}",
+                     f"decided by the slowest {max(1, round(est.n * (1 - q)))} or so, and one slow {what[:-1]} "
+                     "on this VM moves it; more steps narrow it")
 
     for label in ("disk", "RAM"):  # the root on the disk, then on a RAM-backed directory
         scenario = f"P4 monitor ({label})"
@@ -94,8 +98,14 @@ def single_checks(rows: list[Row], smoke: bool = False) -> dict[str, dict]:
         if r:
             add_quantile(f"P4 commit latency p50 (ms) ({label})", r.samples, 0.5, "commits")
             add_quantile(f"P4 commit latency p99 (ms) ({label})", r.samples, 0.99, "commits")
-        r = _find(rows, scenario, "notifications")
-        if r:
+        r, times = _find(rows, scenario, "notifications"), _find(rows, scenario, STEP_TIMES)
+        if r and times:  # as many notifications each step: the run's total, shared out
+            total = r.median * sum(times.samples)
+            est = bootstrap_rate([total / len(times.samples)] * len(times.samples), times.samples)
+            add_estimate(f"P4 notifications per second ({label})", est,
+                         f"the rate over {est.n} steps, interval from their wall times (a slower day moves all)",
+                         "the steps vary that much; more steps narrow it")
+        elif r:
             add(f"P4 notifications per second ({label})", r.median, "one long run: a rate over all its notifications")
     r = _find(rows, "P5 peak RSS", "ckptd")
     if r:

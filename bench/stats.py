@@ -86,9 +86,9 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float
 
 
 @dataclass(frozen=True)
-class QuantileEstimate:
-    """The ``q`` quantile of ``n`` samples (one long run's commits, say), with a ``confidence``
-    interval."""
+class Estimate:
+    """A value from ``n`` samples of one long run (a quantile of its commits, its rate over its
+    steps), with a ``confidence`` interval."""
 
     value: float
     low: float
@@ -98,7 +98,7 @@ class QuantileEstimate:
 
 
 def bootstrap_quantile(samples: Sequence[float], q: float, *, confidence: float = 0.95, resamples: int = 10_000,
-                       seed: int = 0) -> QuantileEstimate:
+                       seed: int = 0) -> Estimate:
     """The ``q`` quantile of ``samples`` and its percentile bootstrap interval (samples resampled
     with replacement).
 
@@ -118,10 +118,36 @@ def bootstrap_quantile(samples: Sequence[float], q: float, *, confidence: float 
     quantiles = np.quantile(x[rng.integers(0, len(x), size=(resamples, len(x)))], q, axis=1)
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(quantiles, [tail, 100 - tail])
-    return QuantileEstimate(float(np.quantile(x, q)), float(low), float(high), len(x), confidence)
+    return Estimate(float(np.quantile(x, q)), float(low), float(high), len(x), confidence)
 
 
-def verdict(estimate: RatioEstimate | QuantileEstimate, *, at_most: float | None = None,
+def bootstrap_rate(counts: Sequence[float], seconds: Sequence[float], *, confidence: float = 0.95,
+                   resamples: int = 10_000, seed: int = 0) -> Estimate:
+    """``sum(counts) / sum(seconds)`` over ``n`` blocks of one run (its steps: the events of each,
+    and the time it took), and its percentile bootstrap interval (blocks resampled with
+    replacement).
+
+    The interval says how much the run's own steps vary; a machine slower for the whole run
+    moves every step, and with them the value, outside it.
+
+    Raises:
+        ValueError: unpaired or empty samples, a non-positive duration, or a bad ``confidence``.
+    """
+    if len(counts) != len(seconds) or not counts:
+        raise ValueError(f"need as many counts as durations (> 0), got {len(counts)} and {len(seconds)}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    c, t = np.asarray(counts, dtype=float), np.asarray(seconds, dtype=float)
+    if (t <= 0).any():
+        raise ValueError("every duration must be > 0")
+    idx = np.random.default_rng(seed).integers(0, len(c), size=(resamples, len(c)))
+    rates = c[idx].sum(axis=1) / t[idx].sum(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(rates, [tail, 100 - tail])
+    return Estimate(float(c.sum() / t.sum()), float(low), float(high), len(c), confidence)
+
+
+def verdict(estimate: RatioEstimate | Estimate, *, at_most: float | None = None,
             at_least: float | None = None) -> Verdict:
     """MET when the whole interval satisfies the bound(s), MISSED when the whole interval
     violates one, INCONCLUSIVE when the interval straddles a bound."""

@@ -21,6 +21,9 @@ def test_bench_smoke_runs_the_monitor_memory_mirror_rollout_and_fsdp_scenarios(r
     assert set(targets) == SINGLE
     assert result["skipped"] == {"P4 (RAM)": "smoke run: the disk run covers the same code"}
     assert all(targets[n]["verdict"] == "inconclusive" and "smoke" in targets[n]["note"] for n in SINGLE)
+    rate, steps = targets["P4 notifications per second (disk)"], [
+        r for r in result["rows"] if r["scenario"] == "P4 monitor (disk)" and r["method"] == "wall time, each step"]
+    assert len(steps) == 1 and rate["n"] == len(steps[0]["samples"]) and rate["low"] <= rate["value"] <= rate["high"]
     assert {r["method"] for r in result["rows"] if r["scenario"] == "P8 FSDP2 durable"} == {
         "ckptd fenced", "ckptd eager", "dcp.async_save", "dcp.save"}
     assert {r["method"] for r in result["rows"] if r["scenario"] == "P7 version latency"} == {

@@ -10,6 +10,7 @@ from bench.stats import (
     RatioEstimate,
     Verdict,
     bootstrap_quantile,
+    bootstrap_rate,
     bootstrap_ratio,
     interleave,
     interleave_rounds,
@@ -89,3 +90,23 @@ def test_a_high_percentile_of_few_samples_is_met_only_when_its_slowest_samples_a
         bootstrap_quantile([], 0.5)
     with pytest.raises(ValueError):
         bootstrap_quantile([1.0], 1.5)
+
+
+def test_a_rate_over_a_runs_steps_is_its_total_over_its_time_and_its_interval_is_the_steps_spread():
+    """P4's rate: as many events each step, each step's wall time. Steady steps give a narrow
+    interval on the right side of the limit; steps spread across it give one that straddles it;
+    a slow run, every step slow, is missed."""
+    rng = random.Random(2)
+    steady = [rng.uniform(0.95, 1.05) for _ in range(50)]  # about 2,500 events/s
+    est = bootstrap_rate([2500.0] * 50, steady)
+    assert est.n == 50 and est.value == pytest.approx(2500 * 50 / sum(steady))
+    assert 2300 < est.low <= est.value <= est.high < 2700 and verdict(est, at_least=2000) is Verdict.MET
+    spread = [rng.choice([0.8, 1.6]) for _ in range(50)]  # 3,125/s and 1,563/s steps, as a noisy disk gives
+    wide = bootstrap_rate([2500.0] * 50, spread)
+    assert wide.low < 2000 < wide.high and verdict(wide, at_least=2000) is Verdict.INCONCLUSIVE
+    slow = bootstrap_rate([2500.0] * 50, [s * 1.7 for s in steady])
+    assert verdict(slow, at_least=2000) is Verdict.MISSED
+    with pytest.raises(ValueError, match="as many"):
+        bootstrap_rate([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="> 0"):
+        bootstrap_rate([1.0], [0.0])

@@ -86,6 +86,26 @@ def test_qualified_target_names_find_their_limit_and_direction():
     assert "| P4 notifications per second (disk) | 1.5e+03 | – | ≥ 2000 |" in targets_table(checks, [])
 
 
+def test_p4s_rate_is_judged_by_its_interval_over_the_steps_wall_times():
+    """With each step's wall time, the rate gets a bootstrap interval: a run whose steps spread
+    across the limit is inconclusive, with the reason, not met or missed on one number."""
+    def rows(step_s: list[float]) -> list[Row]:
+        rate = 1000 * len(step_s) / sum(step_s)  # 1,000 notifications a step
+        return [Row("P4 monitor (disk)", "notifications per second", "1/s", [rate]),
+                Row("P4 monitor (disk)", "wall time, each step", "s", step_s),
+                Row("P4 monitor (disk)", "notifications per second, monitor alone", "1/s", [9e9])]
+    steady = single_checks(rows([0.4, 0.41, 0.39, 0.4] * 10))["P4 notifications per second (disk)"]
+    assert steady["verdict"] == "met" and steady["value"] == 2500 and steady["n"] == 40
+    assert 2000 < steady["low"] <= 2500 <= steady["high"] and steady["note"].startswith("the rate over 40 steps")
+    spread = single_checks(rows([0.3, 0.7] * 20))["P4 notifications per second (disk)"]
+    assert spread["verdict"] == "inconclusive" and spread["low"] < 2000 < spread["high"]
+    assert "straddles 2000" in spread["note"] and "more steps narrow it" in spread["note"]
+    slow = single_checks(rows([0.7, 0.72, 0.69] * 10))["P4 notifications per second (disk)"]
+    assert slow["verdict"] == "missed" and slow["high"] < 2000
+    table = targets_table({"P4 notifications per second (disk)": steady}, [])
+    assert "| P4 notifications per second (disk) | 2.5e+03 | " in table and "| ≥ 2000 | 40 samples | met |" in table
+
+
 def test_commit_latency_percentiles_are_judged_by_their_interval_over_the_steps():
     """P4's p50 and p99 come from every step's latency with a bootstrap interval, like the paired
     targets: a p99 that one slow commit decides is inconclusive, with the reason, not missed."""

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -28,6 +29,32 @@ log = logging.getLogger("ckptd.coordinator")
 # simulator, or an actor that drives several workers) batch their notifications together.
 _notifiers: weakref.WeakValueDictionary[tuple, Notifier] = weakref.WeakValueDictionary()
 _notifiers_lock = threading.Lock()
+
+
+def _within(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a daemon thread, which a call that never returns (a GCS that
+    does not answer) leaves behind without holding the caller or the process's exit.
+
+    Raises:
+        TimeoutError: no answer within ``timeout_s``; what ``fn`` raised otherwise.
+    """
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name="ckptd-gcs-query", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _process_exists(pid: int) -> bool:
@@ -187,7 +214,8 @@ class MonitorClient:
         try:
             from ray._private import state
 
-            info = state.actors(actor_id=self._handle._actor_id.hex())
+            # Bounded: a GCS that does not answer (stopped, failing over) must not hold the wait.
+            info = _within(self._timeout_s, state.actors, actor_id=self._handle._actor_id.hex())
             here = ray.get_runtime_context().get_node_id()
         except Exception:
             return False

@@ -85,7 +85,9 @@ Found later (session 32, a CI run on a loaded machine): a monitor killed on this
 in the GCS until the raylet reports the death, more than a second under load, so (3) still cut
 the unbounded wait short. ``_restarting`` now also counts a monitor whose process on this node is
 gone (or a zombie), and a stall needs the pings of two windows in a row unanswered (a death on
-another node gets one more window); the last case holds the raylet to make that window certain.
+another node gets one more window); the raylet case holds the raylet to make that window certain.
+A helper's attack then found the GCS query itself unbounded: with the GCS stopped too, a stopped
+monitor held the wait for as long as the GCS (12 s at a 0.5 s timeout); it now gets the timeout.
 """
 
 from __future__ import annotations
@@ -280,12 +282,11 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_restart_as_a_bounded_one_does(
         f"wait_committed(timeout_s=None) was cut short by the monitor's restart: {outcomes[None]}")
 
 
-def _raylet_pid() -> int:
-    """This node's raylet, which tells the GCS that a worker process died."""
-    from ray._private import worker
-    from ray._private.ray_constants import PROCESS_TYPE_RAYLET
+def _ray_pid(kind: str) -> int:
+    """This node's raylet (which tells the GCS that a worker process died) or GCS server."""
+    from ray._private import ray_constants, worker
 
-    return worker._global_node.all_processes[PROCESS_TYPE_RAYLET][0].process.pid
+    return worker._global_node.all_processes[getattr(ray_constants, f"PROCESS_TYPE_{kind}")][0].process.pid
 
 
 def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_heard_of(make_monitor, tmp_path):
@@ -311,7 +312,7 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_hea
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     wait_for(lambda: _waits_in_monitor(monitor) == 1, timeout_s=DEADLINE_S, what="the wait to reach the monitor")
-    pid, raylet = ray.get(monitor.ping.remote())["pid"], _raylet_pid()
+    pid, raylet = ray.get(monitor.ping.remote())["pid"], _ray_pid("RAYLET")
     os.kill(raylet, signal.SIGSTOP)
     try:
         os.kill(pid, signal.SIGKILL)
@@ -326,3 +327,40 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_hea
     coord.close()
     later.close()
     assert outcome == ["committed"], f"wait_committed(timeout_s=None) was cut short by the monitor's death: {outcome}"
+
+
+def test_i4_a_stopped_monitor_ends_an_unbounded_wait_in_time_while_the_gcs_does_not_answer(make_monitor, tmp_path):
+    """The monitor is stopped (SIGSTOP) and the GCS held with it: the question whether Ray is
+    restarting the monitor goes unanswered, and must not hold the wait past its bound."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    timeout_s, held_s = 0.5, 10.0
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=timeout_s)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    coord.register(2, checkpoint_thread_count=1)
+    outcome: list = []
+
+    def wait():
+        try:
+            coord.wait_committed(2, timeout_s=None)
+            outcome.append("committed")
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    wait_for(lambda: _waits_in_monitor(monitor) == 1, timeout_s=DEADLINE_S, what="the wait to reach the monitor")
+    pid, gcs = ray.get(monitor.ping.remote())["pid"], _ray_pid("GCS_SERVER")
+    os.kill(gcs, signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        waiter.join(held_s)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(gcs, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+    coord.close()
+    assert outcome, f"the wait was still waiting {took:.1f} s into the stop ({timeout_s:g} s timeout)"
+    assert isinstance(outcome[0], ckptd.CheckpointTimeoutError), outcome
+    assert took < 4 * timeout_s + 2, f"the wait took {took:.1f} s to give up on a stopped monitor"

@@ -49,6 +49,9 @@ from ckptd.units import check_count, check_step
 
 log = logging.getLogger("ckptd.monitor")
 
+#: How often a monitor looks for a newer attempt on its root while it publishes nothing.
+FENCE_CHECK_S = 5.0
+
 _HISTORY = 1000  # unshared writers reported by status()
 
 
@@ -95,6 +98,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
         self._failures_durable: set[tuple[int, Kind]] = set()  # recorded: may be reported
         self._warned: set[str] = set()
         self._fenced: str | None = None
+        self._newer_attempt: int | None = None  # seen by the last fence check (see _look_for_newer_attempt)
         try:
             check_fence(self._storage, attempt)
         except FencedError as e:
@@ -340,10 +344,18 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
 
     async def _housekeeping(self) -> None:
         period = min(1.0, self._opts.step_timeout_s / 4, self._opts.slot_lease_s / 4, self._opts.read_lease_s / 4)
+        fence_check: asyncio.Task | None = None
+        next_fence_check = time.monotonic() + FENCE_CHECK_S
         while True:
             await asyncio.sleep(period)
             try:
-                for rec, _kind in self._ledger.expire(time.time()):
+                if self._fenced is None and time.monotonic() >= next_fence_check and (
+                        fence_check is None or fence_check.done()):
+                    next_fence_check = time.monotonic() + FENCE_CHECK_S
+                    fence_check = asyncio.get_running_loop().create_task(self._look_for_newer_attempt())
+                fenced = self._fenced or self._retention.fenced
+                failed = self._ledger.fail_unsettled(f"not committed: {fenced}") if fenced else []
+                for rec, _kind in failed + self._ledger.expire(time.time()):
                     if self._after_change_sync(rec):
                         # In a task of its own: recording the failure retries for as long as storage
                         # refuses it, and slot and lease expiry below must go on meanwhile.
@@ -354,6 +366,23 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")
             self._gauges.refresh(partial(build_status, self, units=False))
+
+    async def _look_for_newer_attempt(self) -> None:
+        """A newer job on the root fences this monitor out; it learns of it when it next publishes,
+        or here, so that an idle one does not keep its callers waiting until ``step_timeout_s``
+        (its steps then fail at the next housekeeping round, naming the newer attempt). A newer
+        attempt counts once two checks in a row saw it: a ``start_monitor`` that lost a race
+        takes its attempt back within seconds."""
+        try:
+            await self._in_thread(check_fence, self._storage, self._attempt)
+            self._newer_attempt = None
+        except FencedError as e:
+            if self._newer_attempt == e.newer and self._fenced is None:
+                self._fenced = str(e)
+                log.error("%s", e)
+            self._newer_attempt = e.newer
+        except Exception as e:  # storage unreachable: the next check, or the next publish, tells
+            log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
 
     def _warn(self) -> None:
         warnings = self._ledger.warnings(time.time())

@@ -317,16 +317,27 @@ class StepLedger:
 
     def expire(self, now: float) -> list[tuple[StepRecord, Kind]]:
         """Fail every active, unsettled kind of a step first seen more than ``step_timeout_s`` ago."""
-        expired = []
+        return self._fail_unsettled(
+            lambda rec: now - rec.first_seen >= self.step_timeout_s,
+            lambda rec, kind: f"timed out after {self.step_timeout_s:g} s: {self.describe(rec, kind)}")
+
+    def fail_unsettled(self, reason: str) -> list[tuple[StepRecord, Kind]]:
+        """Fail every active, unsettled kind of every step with ``reason`` (a fenced monitor can
+        commit none of them)."""
+        return self._fail_unsettled(lambda rec: True, lambda rec, kind: reason)
+
+    def _fail_unsettled(self, which: Callable[[StepRecord], bool],
+                        reason: Callable[[StepRecord, Kind], str]) -> list[tuple[StepRecord, Kind]]:
+        failed = []
         for rec in self._records.values():
-            if now - rec.first_seen < self.step_timeout_s:
+            if not which(rec):
                 continue
             for kind in Kind:
                 if not rec.active(kind) or rec[kind].settled or rec[kind].state is StepState.COMMITTING:
                     continue
-                if self.fail_kind(rec, kind, f"timed out after {self.step_timeout_s:g} s: {self.describe(rec, kind)}"):
-                    expired.append((rec, kind))
-        return expired
+                if self.fail_kind(rec, kind, reason(rec, kind)):
+                    failed.append((rec, kind))
+        return failed
 
     def describe(self, rec: StepRecord, kind: Kind) -> str:
         """Where a kind of a step stands, in words."""

@@ -23,7 +23,7 @@ import ray
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
-from ckptd.fencing import FencedError, check_fence
+from ckptd.fencing import AttemptRecord, FencedError, check_fence, current_attempt
 from ckptd.layout import read_tracker
 from ckptd.metrics import RunMetrics
 from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, started_before
@@ -98,7 +98,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
         self._failures_durable: set[tuple[int, Kind]] = set()  # recorded: may be reported
         self._warned: set[str] = set()
         self._fenced: str | None = None
-        self._newer_attempt: int | None = None  # seen by the last fence check (see _look_for_newer_attempt)
+        self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (_look_for_newer_attempt)
         try:
             check_fence(self._storage, attempt)
         except FencedError as e:
@@ -292,9 +292,15 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
             return {"committed": False, "unit": None, "unknown": True,
                     "cause": f"step {step} is unknown to the monitor: no save of it is in flight and it is older "
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
-        if not self._settled(step, k):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._settled(step, k):
+            fenced = self._fenced or self._retention.fenced
+            if fenced is not None and self._ledger.state_of(step, k) is None:
+                # Nothing of the step is known, and this monitor can no longer commit it.
+                return {"committed": False, "unit": None, "cause": f"not committed: {fenced}"}
             try:
-                await asyncio.wait_for(self._event(step, k).wait(), timeout_s)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                await asyncio.wait_for(self._event(step, k).wait(), left)
             except asyncio.TimeoutError:
                 return {"committed": False, "unit": None, "cause": None}
         failure = self._ledger.failure_of(step, k)
@@ -371,18 +377,23 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
         """A newer job on the root fences this monitor out; it learns of it when it next publishes,
         or here, so that an idle one does not keep its callers waiting until ``step_timeout_s``
         (its steps then fail at the next housekeeping round, naming the newer attempt). A newer
-        attempt counts once two checks in a row saw it: a ``start_monitor`` that lost a race
-        takes its attempt back within seconds."""
+        attempt counts once two checks in a row found the same record: a ``start_monitor`` that
+        lost a race takes its attempt back within seconds, and the next loser reuses its number."""
         try:
-            await self._in_thread(check_fence, self._storage, self._attempt)
-            self._newer_attempt = None
-        except FencedError as e:
-            if self._newer_attempt == e.newer and self._fenced is None:
-                self._fenced = str(e)
-                log.error("%s", e)
-            self._newer_attempt = e.newer
+            newest = await self._in_thread(current_attempt, self._storage)
         except Exception as e:  # storage unreachable: the next check, or the next publish, tells
             log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
+            return
+        if newest is None or newest.attempt <= self._attempt:
+            self._newer_attempt = None
+            return
+        if newest == self._newer_attempt and self._fenced is None:
+            self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
+            log.error("%s", self._fenced)
+            for step, kind in list(self._events):
+                if self._ledger.state_of(step, kind) is None:
+                    self._wake(step, kind)  # waits on steps nobody registered: told by wait_committed
+        self._newer_attempt = newest
 
     def _warn(self) -> None:
         warnings = self._ledger.warnings(time.time())

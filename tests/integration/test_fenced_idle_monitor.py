@@ -1,12 +1,14 @@
 """A monitor that a newer job fenced out while it had nothing to publish: a job started on the
 same root from another Ray cluster (which cannot see this monitor, so does not refuse or stop
 it) opens the next attempt with ``open_attempt``, as its ``start_monitor`` does. The old monitor
-must tell its callers within seconds, not leave an unbounded wait until ``step_timeout_s``; and
-an attempt that a losing ``start_monitor`` takes back at once must not fence it."""
+must tell its callers within seconds, not leave an unbounded wait until ``step_timeout_s``, and
+must not withdraw what it committed before; an attempt that a losing ``start_monitor`` takes
+back at once must not fence it. Found by helpers' attacks (session 32)."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import ray
@@ -17,16 +19,12 @@ from ckptd.monitor.actor import FENCE_CHECK_S
 from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
-from .helpers import commit_one, in_thread, read_manifest, tracker_of, wait_for, write_file
+from .helpers import commit_one, in_thread, read_manifest, replace_same_size, tracker_of, wait_for, write_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 DEADLINE_S = 60.0
-CKPT = ckptd.Kind.CHECKPOINT
-
-
-def _newer_attempt_seen(monitor) -> int | None:
-    return ray.get(monitor.__ray_call__.remote(lambda self: self._newer_attempt))
+CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
 def test_an_idle_monitor_fenced_out_by_a_job_on_another_cluster_fails_its_steps_within_seconds(
@@ -36,11 +34,18 @@ def test_an_idle_monitor_fenced_out_by_a_job_on_another_cluster_fails_its_steps_
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     commit_one(coord, 1, "model.bin", is_state_dict=False)
     coord.register(2, checkpoint_thread_count=1)
+    unregistered: list = []  # a wait on a step nobody registered, begun before the fence
+    waiter = threading.Thread(target=lambda: unregistered.append(in_thread(lambda: coord.wait_committed(4),
+                                                                             DEADLINE_S)), daemon=True)
+    waiter.start()
     newer = open_attempt(Storage(root), "the-next-job", None)  # the new job, elsewhere
     outcome, error = in_thread(lambda: coord.wait_committed(2, timeout_s=None), 3 * FENCE_CHECK_S + 5)
     assert outcome == "raised", f"the wait was still waiting {3 * FENCE_CHECK_S + 5:g} s after the root was taken"
     assert isinstance(error, ckptd.CheckpointSaveError) and f"superseded by attempt {newer.attempt}" in str(error)
     assert ray.get(monitor.status.remote()).fenced is not None
+    waiter.join(DEADLINE_S)
+    for result in (unregistered[0], in_thread(lambda: coord.wait_committed(5), DEADLINE_S)):  # before, after
+        assert result[0] == "raised" and "superseded" in str(result[1]), result
     # Nothing of the old job was published over the new one's root, and a new save is refused.
     assert tracker_of(root, CKPT) == 1 and read_manifest(root, 2, CKPT) is None
     coord.register(3, checkpoint_thread_count=1)
@@ -51,19 +56,50 @@ def test_an_idle_monitor_fenced_out_by_a_job_on_another_cluster_fails_its_steps_
     coord.close()
 
 
-def test_an_attempt_taken_back_by_a_losing_start_monitor_does_not_fence_the_live_monitor(make_monitor, tmp_path):
+def test_a_committed_state_dict_stays_committed_for_the_old_job_when_the_new_job_rewrites_its_files(
+        make_monitor, tmp_path):
+    """The old job committed step 1's state dict, and its full checkpoint is still to come; the new
+    job, which owns the root now, rewrites step 1's weights. The fenced old monitor fails the full
+    checkpoint, but does not turn the state dict its callers were told was committed into a
+    "withdrawn" one it cannot withdraw: the root is the new job's, whose monitor checks it."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    open_attempt(Storage(root), "the-next-job", None)
+    replace_same_size(f"{coord.step_dir(1)}/model.bin")  # the new job's save of step 1
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        coord.wait_committed(1, timeout_s=None)  # the full checkpoint's failure: recorded, so settled
+    coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert read_manifest(root, 1, SD) is not None and tracker_of(root, SD) == 1
+    coord.close()
+
+
+def _newer_attempt_seen(monitor):
+    """The newer attempt's record that the monitor's last fence check found, as a dict."""
+    return ray.get(monitor.__ray_call__.remote(
+        lambda self: None if self._newer_attempt is None else self._newer_attempt.model_dump()))
+
+
+def test_attempts_taken_back_by_losing_start_monitors_do_not_fence_the_live_monitor(make_monitor, tmp_path):
+    """Two losing ``start_monitor`` calls one after the other, each attempt seen by one fence
+    check and taken back before the next: the second reuses the first one's number, and still
+    does not count as the same newer attempt seen twice."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     commit_one(coord, 1, "model.bin", is_state_dict=False)
     coord.register(2, checkpoint_thread_count=1)
     storage = Storage(root)
-    loser = open_attempt(storage, "a-racing-job", None)
-    wait_for(lambda: _newer_attempt_seen(monitor) == loser.attempt, timeout_s=DEADLINE_S,
-             what="a fence check to see the racing attempt")
-    storage.rm(storage.join(LEDGER_DIR, "attempts", f"{loser.attempt}.json"))  # as start_monitor's _undo does
+    for i in range(2):
+        loser = open_attempt(storage, f"a-racing-job-{i}", None)
+        assert loser.attempt == 2
+        wait_for(lambda loser=loser: _newer_attempt_seen(monitor) == loser.model_dump(), timeout_s=DEADLINE_S,
+                 what=f"a fence check to find racing attempt {i}")
+        storage.rm(storage.join(LEDGER_DIR, "attempts", f"{loser.attempt}.json"))  # as start_monitor's _undo does
     wait_for(lambda: _newer_attempt_seen(monitor) is None, timeout_s=DEADLINE_S,
-             what="the next fence check to find it gone")
+             what="the next fence check to find no newer attempt")
     assert ray.get(monitor.status.remote()).fenced is None
     path = f"{coord.step_dir(2)}/model.bin"  # step 2, registered before the race, still commits
     coord.save_sync(lambda: write_file(path, os.urandom(64)), 2)

@@ -61,6 +61,13 @@ def interleave_rounds(runs: Sequence[Callable[[], float]], rounds: int) -> list[
     return out
 
 
+def _interval(estimates: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The central ``confidence`` interval of bootstrap ``estimates`` (percentile method)."""
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(estimates, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def bootstrap_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, resamples: int = 10_000,
                     seed: int = 0) -> RatioEstimate:
     """The ratio of medians ``median(a) / median(b)`` of paired samples, and its percentile
@@ -79,9 +86,7 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float
         raise ValueError("B's samples must be > 0 (they divide)")
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(xa), size=(resamples, len(xa)))
-    ratios = np.median(xa[idx], axis=1) / np.median(xb[idx], axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
+    low, high = _interval(np.median(xa[idx], axis=1) / np.median(xb[idx], axis=1), confidence)
     return RatioEstimate(float(np.median(xa) / np.median(xb)), float(low), float(high), len(xa), confidence)
 
 
@@ -115,9 +120,7 @@ def bootstrap_quantile(samples: Sequence[float], q: float, *, confidence: float 
         raise ValueError(f"need 0 <= q <= 1 and 0 < confidence < 1, got q={q}, confidence={confidence}")
     x = np.asarray(samples, dtype=float)
     rng = np.random.default_rng(seed)
-    quantiles = np.quantile(x[rng.integers(0, len(x), size=(resamples, len(x)))], q, axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(quantiles, [tail, 100 - tail])
+    low, high = _interval(np.quantile(x[rng.integers(0, len(x), size=(resamples, len(x)))], q, axis=1), confidence)
     return Estimate(float(np.quantile(x, q)), float(low), float(high), len(x), confidence)
 
 
@@ -141,9 +144,7 @@ def bootstrap_rate(counts: Sequence[float], seconds: Sequence[float], *, confide
     if (t <= 0).any():
         raise ValueError("every duration must be > 0")
     idx = np.random.default_rng(seed).integers(0, len(c), size=(resamples, len(c)))
-    rates = c[idx].sum(axis=1) / t[idx].sum(axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(rates, [tail, 100 - tail])
+    low, high = _interval(c[idx].sum(axis=1) / t[idx].sum(axis=1), confidence)
     return Estimate(float(c.sum() / t.sum()), float(low), float(high), len(c), confidence)
 
 

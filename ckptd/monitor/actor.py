@@ -23,12 +23,13 @@ import ray
 from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
-from ckptd.fencing import AttemptRecord, FencedError, check_fence, current_attempt
+from ckptd.fencing import AttemptRecord, FencedError, check_fence
 from ckptd.layout import read_tracker
 from ckptd.metrics import RunMetrics
 from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, started_before
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
+from ckptd.monitor.fence_watch import FENCE_CHECK_S, FenceWatch
 from ckptd.monitor.gauges import Gauges
 from ckptd.monitor.ledger import StepLedger
 from ckptd.monitor.mirror import Mirror
@@ -49,13 +50,10 @@ from ckptd.units import check_count, check_step
 
 log = logging.getLogger("ckptd.monitor")
 
-#: How often a monitor looks for a newer attempt on its root while it publishes nothing.
-FENCE_CHECK_S = 5.0
-
 _HISTORY = 1000  # unshared writers reported by status()
 
 
-class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
+class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatch):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -98,7 +96,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
         self._failures_durable: set[tuple[int, Kind]] = set()  # recorded: may be reported
         self._warned: set[str] = set()
         self._fenced: str | None = None
-        self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (_look_for_newer_attempt)
+        self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (FenceWatch)
         try:
             check_fence(self._storage, attempt)
         except FencedError as e:
@@ -359,9 +357,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
                         fence_check is None or fence_check.done()):
                     next_fence_check = time.monotonic() + FENCE_CHECK_S
                     fence_check = asyncio.get_running_loop().create_task(self._look_for_newer_attempt())
-                fenced = self._fenced or self._retention.fenced
-                failed = self._ledger.fail_unsettled(f"not committed: {fenced}") if fenced else []
-                for rec, _kind in failed + self._ledger.expire(time.time()):
+                for rec, _kind in self._fail_if_fenced() + self._ledger.expire(time.time()):
                     if self._after_change_sync(rec):
                         # In a task of its own: recording the failure retries for as long as storage
                         # refuses it, and slot and lease expiry below must go on meanwhile.
@@ -372,28 +368,6 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication):
             except Exception:  # keep housekeeping alive whatever one round hit
                 log.exception("monitor housekeeping round failed")
             self._gauges.refresh(partial(build_status, self, units=False))
-
-    async def _look_for_newer_attempt(self) -> None:
-        """A newer job on the root fences this monitor out; it learns of it when it next publishes,
-        or here, so that an idle one does not keep its callers waiting until ``step_timeout_s``
-        (its steps then fail at the next housekeeping round, naming the newer attempt). A newer
-        attempt counts once two checks in a row found the same record: a ``start_monitor`` that
-        lost a race takes its attempt back within seconds, and the next loser reuses its number."""
-        try:
-            newest = await self._in_thread(current_attempt, self._storage)
-        except Exception as e:  # storage unreachable: the next check, or the next publish, tells
-            log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
-            return
-        if newest is None or newest.attempt <= self._attempt:
-            self._newer_attempt = None
-            return
-        if newest == self._newer_attempt and self._fenced is None:
-            self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
-            log.error("%s", self._fenced)
-            for step, kind in list(self._events):
-                if self._ledger.state_of(step, kind) is None:
-                    self._wake(step, kind)  # waits on steps nobody registered: told by wait_committed
-        self._newer_attempt = newest
 
     def _warn(self) -> None:
         warnings = self._ledger.warnings(time.time())

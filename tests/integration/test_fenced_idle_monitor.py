@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import ray
 
 import ckptd
 from ckptd.layout import LEDGER_DIR
-from ckptd.monitor.actor import FENCE_CHECK_S
 from ckptd.monitor.attempts import open_attempt
+from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
 
 from .helpers import commit_one, in_thread, read_manifest, replace_same_size, tracker_of, wait_for, write_file
@@ -105,4 +106,32 @@ def test_attempts_taken_back_by_losing_start_monitors_do_not_fence_the_live_moni
     coord.save_sync(lambda: write_file(path, os.urandom(64)), 2)
     coord.wait_committed(2, timeout_s=DEADLINE_S)
     assert tracker_of(root, CKPT) == 2
+    coord.close()
+
+
+def test_a_monitor_fenced_by_its_own_publish_ends_the_waits_on_steps_nobody_registered(make_monitor, tmp_path):
+    """The new job's attempt appears and step 2's commit runs into it at once (the manifest's
+    fence check), before two fence checks could see it: the monitor is fenced by that publish,
+    and a wait on a step nobody registered must still end."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    unregistered: list = []
+    waiter = threading.Thread(target=lambda: unregistered.append(in_thread(lambda: coord.wait_committed(9),
+                                                                             DEADLINE_S)), daemon=True)
+    waiter.start()
+    t0 = time.monotonic()
+    open_attempt(Storage(root), "the-next-job", None)
+    coord.register(2, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(2)}/model.bin"
+    coord.save_async("model", lambda: write_file(path, os.urandom(64)), 2)
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        coord.wait_committed(2, timeout_s=DEADLINE_S)
+    # Two fence checks are FENCE_CHECK_S apart: sooner, the commit's publish fenced the monitor.
+    assert time.monotonic() - t0 < FENCE_CHECK_S, "the commit took too long: the case missed its window"
+    waiter.join(2 * FENCE_CHECK_S)
+    assert unregistered, f"the wait on step 9 was still waiting {2 * FENCE_CHECK_S:g} s after the fence"
+    assert unregistered[0][0] == "raised" and "superseded" in str(unregistered[0][1]), unregistered
+    assert read_manifest(root, 2, CKPT) is None and tracker_of(root, CKPT) == 1
     coord.close()

@@ -289,14 +289,10 @@ def _ray_pid(kind: str) -> int:
     return worker._global_node.all_processes[getattr(ray_constants, f"PROCESS_TYPE_{kind}")][0].process.pid
 
 
-def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_heard_of(make_monitor, tmp_path):
-    """The monitor is SIGKILLed while the raylet that would report its death is held (SIGSTOP,
-    as a loaded node delays it): for 3 timeouts the GCS still says the dead monitor is ALIVE and
-    pings go unanswered, which also describes a stopped monitor. The dead process settles it:
-    the unbounded wait goes on, Ray restarts the monitor once the raylet resumes, step 2 commits."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    timeout_s = 1.0
+def _waiting_for_step_2(monitor, timeout_s: float) -> tuple[ckptd.CheckpointCoordinator, threading.Thread, list]:
+    """A coordinator with ``notify_timeout_s=timeout_s`` that committed step 1, registered step 2
+    and waits for it with ``timeout_s=None`` in a thread, that wait already in the monitor; and
+    the outcome, filled in when the wait ends ("committed", or what it raised)."""
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=timeout_s)
     commit_one(coord, 1, "model.bin", is_state_dict=False)
     coord.register(2, checkpoint_thread_count=1)
@@ -307,11 +303,23 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_hea
             coord.wait_committed(2, timeout_s=None)
             outcome.append("committed")
         except Exception as e:  # noqa: BLE001 - handed to the test
-            outcome.append(f"{type(e).__name__}: {e}")
+            outcome.append(e)
 
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     wait_for(lambda: _waits_in_monitor(monitor) == 1, timeout_s=DEADLINE_S, what="the wait to reach the monitor")
+    return coord, waiter, outcome
+
+
+def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_heard_of(make_monitor, tmp_path):
+    """The monitor is SIGKILLed while the raylet that would report its death is held (SIGSTOP,
+    as a loaded node delays it): for 3 timeouts the GCS still says the dead monitor is ALIVE and
+    pings go unanswered, which also describes a stopped monitor. The dead process settles it:
+    the unbounded wait goes on, Ray restarts the monitor once the raylet resumes, step 2 commits."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    timeout_s = 1.0
+    coord, waiter, outcome = _waiting_for_step_2(monitor, timeout_s)
     pid, raylet = ray.get(monitor.ping.remote())["pid"], _ray_pid("RAYLET")
     os.kill(raylet, signal.SIGSTOP)
     try:
@@ -332,24 +340,9 @@ def test_i4_an_unbounded_wait_rides_out_a_monitor_death_that_the_gcs_has_not_hea
 def test_i4_a_stopped_monitor_ends_an_unbounded_wait_in_time_while_the_gcs_does_not_answer(make_monitor, tmp_path):
     """The monitor is stopped (SIGSTOP) and the GCS held with it: the question whether Ray is
     restarting the monitor goes unanswered, and must not hold the wait past its bound."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
+    monitor = make_monitor(str(tmp_path / "ckpt"))
     timeout_s, held_s = 0.5, 10.0
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=timeout_s)
-    commit_one(coord, 1, "model.bin", is_state_dict=False)
-    coord.register(2, checkpoint_thread_count=1)
-    outcome: list = []
-
-    def wait():
-        try:
-            coord.wait_committed(2, timeout_s=None)
-            outcome.append("committed")
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            outcome.append(e)
-
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
-    wait_for(lambda: _waits_in_monitor(monitor) == 1, timeout_s=DEADLINE_S, what="the wait to reach the monitor")
+    coord, waiter, outcome = _waiting_for_step_2(monitor, timeout_s)
     pid, gcs = ray.get(monitor.ping.remote())["pid"], _ray_pid("GCS_SERVER")
     os.kill(gcs, signal.SIGSTOP)
     os.kill(pid, signal.SIGSTOP)

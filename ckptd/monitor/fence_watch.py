@@ -1,0 +1,58 @@
+"""A monitor that a newer job fenced out while it had nothing to publish.
+
+A job started on the root from another Ray cluster cannot see the old monitor, so it neither
+refuses nor stops it; the old monitor would learn of the newer attempt only when it next
+publishes (:func:`ckptd.fencing.check_fence`), and an idle one would keep its callers waiting
+until ``step_timeout_s``. The housekeeping loop looks every :data:`FENCE_CHECK_S` seconds
+instead; once fenced, however it learned of it, every step it has not committed fails, naming
+the newer attempt.
+
+A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckptd.config import Kind
+from ckptd.fencing import FencedError, current_attempt
+from ckptd.monitor.records import StepRecord
+
+log = logging.getLogger("ckptd.monitor")
+
+#: How often a monitor looks for a newer attempt on its root while it publishes nothing.
+FENCE_CHECK_S = 5.0
+
+
+class FenceWatch:
+    """Looks for a newer attempt, and fails what a fenced monitor can no longer commit."""
+
+    async def _look_for_newer_attempt(self) -> None:
+        """Fenced once two checks in a row found the same newer attempt record: a
+        ``start_monitor`` that lost a race takes its attempt back within seconds, and the next
+        loser reuses its number."""
+        try:
+            newest = await self._in_thread(current_attempt, self._storage)
+        except Exception as e:  # storage unreachable: the next check, or the next publish, tells
+            log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
+            return
+        if newest is None or newest.attempt <= self._attempt:
+            self._newer_attempt = None
+            return
+        if newest == self._newer_attempt and self._fenced is None:
+            self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
+            log.error("%s", self._fenced)
+        self._newer_attempt = newest
+
+    def _fail_if_fenced(self) -> list[tuple[StepRecord, Kind]]:
+        """Once fenced: fail every active, unsettled kind of every step (a step registered since
+        too), and wake the waits on steps nobody registered (``wait_committed`` tells them why).
+        The kinds failed, for the caller to record."""
+        fenced = self._fenced or self._retention.fenced
+        if fenced is None:
+            return []
+        failed = self._ledger.fail_unsettled(f"not committed: {fenced}")
+        for step, kind in list(self._events):
+            if self._ledger.state_of(step, kind) is None:
+                self._wake(step, kind)
+        return failed

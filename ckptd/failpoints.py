@@ -9,6 +9,9 @@ reaches Ray actors through ``runtime_env={"env_vars": {...}}``. Actions:
 * ``delay:SECONDS``: sleep, as slow storage would.
 * ``until:SECONDS:PATH``: wait until the file PATH exists, at most SECONDS: a hold that a test
   (or a drill) releases when it is done looking.
+* ``raise_until:PATH``: raise at every hit until the file PATH exists: storage that refuses a
+  request, retried, for as long as a test (or a drill) needs. Not limited to one hit by
+  ``CKPTD_FAILPOINTS_ONCE``: the file ends it.
 
 With ``CKPTD_FAILPOINTS_ONCE=DIR`` set, each failpoint fires once across every process that
 shares DIR (a marker file records it). That is what a crash drill needs: the restarted process
@@ -63,12 +66,13 @@ def _check(name: str, action: str) -> None:
     kind, _, arg = action.partition(":")
     seconds, _, path = arg.partition(":")
     try:
-        if kind == "delay" and float(arg) >= 0 or kind == "until" and float(seconds) >= 0 and path:
+        if (kind == "delay" and float(arg) >= 0 or kind == "until" and float(seconds) >= 0 and path
+                or kind == "raise_until" and arg):
             return
     except ValueError:
         pass
-    raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS}, delay:SECONDS or "
-                     "until:SECONDS:PATH")
+    raise ValueError(f"unknown failpoint action {action!r} for {name!r}; known: {ACTIONS}, delay:SECONDS, "
+                     "until:SECONDS:PATH or raise_until:PATH")
 
 
 def _from_env() -> dict[str, str]:
@@ -108,6 +112,10 @@ def hit(name: str) -> None:
         action = _armed.get(name)
     if action is None and ENV_VAR in os.environ:
         action = _from_env().get(name)
+    if action is not None and action.startswith("raise_until:"):
+        if not os.path.exists(action.split(":", 1)[1]):
+            raise FailpointError(f"failpoint {name!r} fired (until {action.split(':', 1)[1]} exists)")
+        return
     if action is not None and not _first_time(name):
         return
     if action == "raise":

@@ -233,7 +233,9 @@ def test_i2_a_restart_during_a_withdrawal_keeps_the_state_dict_retention_must_ke
     commit_one(coord, 3, "weights.bin", is_state_dict=True)
     coord.register(3, checkpoint_thread_count=1)
     d3 = ckptd.step_dir(root, 3)
-    arm_in_monitor(monitor, "before_revoke", "raise")
+    # Refused until the restart (this process only): a plain "raise" fires once here (the once
+    # directory), and its retry 0.1 s later succeeded before a loaded machine's poll saw it.
+    arm_in_monitor(monitor, "before_revoke", f"raise_until:{tmp_path / 'never'}")
 
     def outside_write_and_optim():
         replace_same_size(f"{d3}/weights.bin")  # as another rank's plain torch.save would

@@ -109,6 +109,24 @@ def test_an_until_failpoint_holds_until_its_file_exists_or_its_bound(tmp_path):
         failpoints.disarm()
 
 
+def test_a_raise_until_failpoint_refuses_every_hit_once_or_not_until_its_file_exists(tmp_path, monkeypatch):
+    """Storage that refuses a retried request for as long as a test needs: every hit raises, also
+    with CKPTD_FAILPOINTS_ONCE set (which limits the other actions to one hit), until the file."""
+    monkeypatch.setenv(failpoints.ONCE_ENV_VAR, str(tmp_path / "once"))
+    gate = tmp_path / "gate"
+    failpoints.arm("before_revoke", f"raise_until:{gate}")
+    try:
+        for _ in range(3):
+            with pytest.raises(FailpointError, match="until"):
+                failpoints.hit("before_revoke")
+        gate.touch()
+        failpoints.hit("before_revoke")  # let through
+    finally:
+        failpoints.disarm()
+    with pytest.raises(ValueError, match="raise_until:PATH"):
+        failpoints.arm("before_revoke", "raise_until:")
+
+
 def test_failpoints_fire_when_armed_in_process_or_env(monkeypatch):
     failpoints.hit("before_manifest")  # not armed: nothing happens
     failpoints.arm("before_manifest")

@@ -113,8 +113,9 @@ def hit(name: str) -> None:
     if action is None and ENV_VAR in os.environ:
         action = _from_env().get(name)
     if action is not None and action.startswith("raise_until:"):
-        if not os.path.exists(action.split(":", 1)[1]):
-            raise FailpointError(f"failpoint {name!r} fired (until {action.split(':', 1)[1]} exists)")
+        gate = action.split(":", 1)[1]
+        if not os.path.exists(gate):
+            raise FailpointError(f"failpoint {name!r} fired (until {gate} exists)")
         return
     if action is not None and not _first_time(name):
         return

@@ -292,7 +292,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._settled(step, k):
-            fenced = self._fenced or self._retention.fenced
+            fenced = self._why_fenced()
             if fenced is not None and self._ledger.state_of(step, k) is None:
                 # Nothing of the step is known, and this monitor can no longer commit it.
                 return {"committed": False, "unit": None, "cause": f"not committed: {fenced}"}

@@ -126,7 +126,7 @@ class CommitFlow:
         # rebuilds the step from its units' receipts and, with every unit finished, would commit
         # a step its callers had been told had failed.
         await self._write_failure_durably(rec.step, kind, reason)
-        if kind is CKPT and (self._fenced or self._retention.fenced) is None:
+        if kind is CKPT and self._why_fenced() is None:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
             # (and the state dict withdrawn if so) before anyone hears of the failure. Not by a

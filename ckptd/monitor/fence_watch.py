@@ -44,11 +44,16 @@ class FenceWatch:
             log.error("%s", self._fenced)
         self._newer_attempt = newest
 
+    def _why_fenced(self) -> str | None:
+        """Why this monitor may no longer publish (a newer attempt, however it learned of it:
+        this watch, a publish, retention), or None."""
+        return self._fenced or self._retention.fenced
+
     def _fail_if_fenced(self) -> list[tuple[StepRecord, Kind]]:
         """Once fenced: fail every active, unsettled kind of every step (a step registered since
         too), and wake the waits on steps nobody registered (``wait_committed`` tells them why).
         The kinds failed, for the caller to record."""
-        fenced = self._fenced or self._retention.fenced
+        fenced = self._why_fenced()
         if fenced is None:
             return []
         failed = self._ledger.fail_unsettled(f"not committed: {fenced}")

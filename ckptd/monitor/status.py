@@ -206,7 +206,7 @@ def build_status(monitor: Any, units: bool = True) -> MonitorStatus:
         run=monitor._run,
         root=monitor._storage.url,
         attempt=monitor._attempt,
-        fenced=monitor._fenced or retention.fenced,
+        fenced=monitor._why_fenced(),
         trackers=Trackers(checkpoint=monitor._trackers[Kind.CHECKPOINT], state_dict=monitor._trackers[Kind.STATE_DICT]),
         steps=steps,
         writers=WriterSlotsStatus(strategy=opts.save_strategy, holders=monitor._slots.holders(),

@@ -115,7 +115,7 @@ class UnitReports:
             # where it is gone. Then look again (the write let others run).
             deleted = False
             restored = await self._restore_receipt(uid) or restored
-        why = self._fenced or self._retention.fenced
+        why = self._why_fenced()
         if why is None:
             why = self._ledger.admit(uid, time.time())
             if why is not None:

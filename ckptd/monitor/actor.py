@@ -293,8 +293,9 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._settled(step, k):
             fenced = self._why_fenced()
-            if fenced is not None and self._ledger.state_of(step, k) is None:
-                # Nothing of the step is known, and this monitor can no longer commit it.
+            if fenced is not None and not self._ledger.could_settle(step, k):
+                # Nothing known of the step can settle the kind, and this monitor will accept
+                # nothing new that could.
                 return {"committed": False, "unit": None, "cause": f"not committed: {fenced}"}
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -51,13 +51,15 @@ class FenceWatch:
 
     def _fail_if_fenced(self) -> list[tuple[StepRecord, Kind]]:
         """Once fenced: fail every active, unsettled kind of every step (a step registered since
-        too), and wake the waits on steps nobody registered (``wait_committed`` tells them why).
+        too), and wake the waits that nothing known can settle any more: on steps nobody registered,
+        or on the state dict of a step registered only for a full checkpoint (``wait_committed``
+        tells them why).
         The kinds failed, for the caller to record."""
         fenced = self._why_fenced()
         if fenced is None:
             return []
         failed = self._ledger.fail_unsettled(f"not committed: {fenced}")
         for step, kind in list(self._events):
-            if self._ledger.state_of(step, kind) is None:
+            if not self._ledger.could_settle(step, kind):
                 self._wake(step, kind)
         return failed

@@ -62,6 +62,17 @@ class StepLedger:
         retired = self._retired.get((step, kind))
         return retired[0] if retired else None
 
+    def could_settle(self, step: int, kind: Kind) -> bool:
+        """Whether anything known of the step could still settle ``kind``: the kind has
+        registrations, units or an outcome, or it is the state dict and the step's full checkpoint
+        (whose commit commits the state dict for readers) is active and has not failed."""
+        rec = self._records.get(step)
+        if rec is None:
+            return (step, kind) in self._retired
+        if rec.active(kind):
+            return True
+        return kind is SD and rec.active(CKPT) and rec[CKPT].state is not StepState.FAILED
+
     def is_committed(self, step: int, kind: Kind) -> bool:
         return self.state_of(step, kind) is StepState.COMMITTED
 

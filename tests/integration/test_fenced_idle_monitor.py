@@ -35,17 +35,26 @@ def test_an_idle_monitor_fenced_out_by_a_job_on_another_cluster_fails_its_steps_
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     commit_one(coord, 1, "model.bin", is_state_dict=False)
     coord.register(2, checkpoint_thread_count=1)
-    unregistered: list = []  # a wait on a step nobody registered, begun before the fence
-    waiter = threading.Thread(target=lambda: unregistered.append(in_thread(lambda: coord.wait_committed(4),
-                                                                             DEADLINE_S)), daemon=True)
-    waiter.start()
+    # Begun before the fence: a wait on a step nobody registered, and one on the state dict of a
+    # step registered for a full checkpoint only (whose commit would have committed it). Bounded,
+    # so that where the fence does not end it, it fails the test rather than hang the session.
+    early: list = []
+    waiters = [threading.Thread(target=lambda w=w: early.append(in_thread(w, 2 * DEADLINE_S)), daemon=True)
+               for w in (lambda: coord.wait_committed(4),
+                         lambda: coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S))]
+    for waiter in waiters:
+        waiter.start()
     newer = open_attempt(Storage(root), "the-next-job", None)  # the new job, elsewhere
     outcome, error = in_thread(lambda: coord.wait_committed(2, timeout_s=None), 3 * FENCE_CHECK_S + 5)
     assert outcome == "raised", f"the wait was still waiting {3 * FENCE_CHECK_S + 5:g} s after the root was taken"
     assert isinstance(error, ckptd.CheckpointSaveError) and f"superseded by attempt {newer.attempt}" in str(error)
     assert ray.get(monitor.status.remote()).fenced is not None
-    waiter.join(DEADLINE_S)
-    for result in (unregistered[0], in_thread(lambda: coord.wait_committed(5), DEADLINE_S)):  # before, after
+    for waiter in waiters:
+        waiter.join(2 * DEADLINE_S)
+    after = [in_thread(lambda: coord.wait_committed(5), DEADLINE_S),
+             in_thread(lambda: coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S), DEADLINE_S)]
+    assert len(early) == 2
+    for result in early + after:
         assert result[0] == "raised" and "superseded" in str(result[1]), result
     # Nothing of the old job was published over the new one's root, and a new save is refused.
     assert tracker_of(root, CKPT) == 1 and read_manifest(root, 2, CKPT) is None

@@ -286,14 +286,15 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         """
         k = Kind(kind)
         newest = self._trackers[k]
-        if self._ledger.state_of(step, k) is None and newest is not None and step < newest:
+        if (self._ledger.state_of(step, k) is None and newest is not None and step < newest
+                and not self._settled(step, k)):  # a state dict its step's full checkpoint committed
             return {"committed": False, "unit": None, "unknown": True,
                     "cause": f"step {step} is unknown to the monitor: no save of it is in flight and it is older "
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._settled(step, k):
             fenced = self._why_fenced()
-            if fenced is not None and not self._ledger.could_settle(step, k):
+            if fenced is not None and not self._could_settle(step, k):
                 # Nothing known of the step can settle the kind, and this monitor will accept
                 # nothing new that could.
                 return {"committed": False, "unit": None, "cause": f"not committed: {fenced}"}

@@ -42,6 +42,15 @@ class CommitFlow:
         # A full checkpoint holds the weights too: it commits the state dict of its step for readers.
         return state is StepState.COMMITTED or self._ledger.is_committed(step, Kind.CHECKPOINT)
 
+    def _could_settle(self, step: int, kind: Kind) -> bool:
+        """Whether anything known of the step could still settle ``kind``
+        (:meth:`~ckptd.monitor.ledger.Ledger.could_settle`). A full checkpoint's failure counts
+        only once recorded, as in :meth:`_settled`: until then a restarted monitor could still
+        commit it, and the state dict with it."""
+        return self._ledger.could_settle(step, kind) or (
+            kind is SD and self._ledger.state_of(step, CKPT) is StepState.FAILED
+            and (step, CKPT) not in self._failures_durable)
+
     def _wake(self, step: int, kind: Kind) -> None:
         event = self._events.pop((step, kind), None)
         if event is not None:
@@ -143,6 +152,8 @@ class CommitFlow:
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
         self._wake(rec.step, kind)
+        if kind is CKPT:
+            self._wake(rec.step, SD)  # a wait on a state dict that only this checkpoint could commit
 
     def _plan(self, rec: StepRecord, kinds: list[Kind]) -> CommitPlan:
         reports = {key: u.files for key, u in rec.units.items() if u.files is not None}

@@ -60,6 +60,6 @@ class FenceWatch:
             return []
         failed = self._ledger.fail_unsettled(f"not committed: {fenced}")
         for step, kind in list(self._events):
-            if not self._ledger.could_settle(step, kind):
+            if not self._could_settle(step, kind):
                 self._wake(step, kind)
         return failed

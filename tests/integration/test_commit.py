@@ -15,7 +15,7 @@ import ckptd
 from ckptd.config import Kind
 from ckptd.layout import MANIFESTS
 
-from .helpers import SaveWorker, Signal, restart_monitor, status
+from .helpers import SaveWorker, Signal, commit_one, restart_monitor, status
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -294,3 +294,20 @@ def _write(root: str, step: int, name: str, data: bytes = b"x" * 1000) -> None:
     os.makedirs(d, exist_ok=True)
     with open(f"{d}/{name}", "wb") as f:
         f.write(data)
+
+
+def test_a_state_dict_wait_on_a_forgotten_checkpoint_only_step_answers_committed(make_monitor, tmp_path):
+    """Steps 1 to 3 commit full checkpoints only, and the monitor keeps one step's record
+    (``status_history=1``). A state-dict wait on step 1 (older than the newest commit, its record
+    pruned) is answered from the checkpoint that committed it, not "unknown to the monitor".
+    Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root, status_history=1, max_ckpt_to_keep=None), worker_id="w0")
+    for step in (1, 2, 3):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    assert tracker(root, "latest_state_dict_iteration.txt") == "3\n"
+    for step in (1, 3):
+        coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+    with pytest.raises(ckptd.CheckpointError, match="unknown to the monitor"):
+        coord.wait_committed(0, is_state_dict=True, timeout_s=30)  # never saved
+    coord.close()

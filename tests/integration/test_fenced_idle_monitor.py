@@ -20,7 +20,17 @@ from ckptd.monitor.attempts import open_attempt
 from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
 
-from .helpers import commit_one, in_thread, read_manifest, replace_same_size, tracker_of, wait_for, write_file
+from .helpers import (
+    arm_in_monitor,
+    commit_one,
+    held_at,
+    in_thread,
+    read_manifest,
+    replace_same_size,
+    tracker_of,
+    wait_for,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -143,4 +153,44 @@ def test_a_monitor_fenced_by_its_own_publish_ends_the_waits_on_steps_nobody_regi
     assert unregistered, f"the wait on step 9 was still waiting {2 * FENCE_CHECK_S:g} s after the fence"
     assert unregistered[0][0] == "raised" and "superseded" in str(unregistered[0][1]), unregistered
     assert read_manifest(root, 2, CKPT) is None and tracker_of(root, CKPT) == 1
+    coord.close()
+
+
+def test_a_state_dict_wait_on_a_checkpoint_only_step_is_answered_only_once_the_checkpoints_failure_is_recorded(
+        make_monitor, tmp_path):
+    """Step 2 is registered for a full checkpoint only; the monitor is fenced while the commit is
+    held, so the commit fails. Until that failure is recorded, a monitor restarted in its place (the
+    newer attempt taken back by a losing ``start_monitor``) would still commit the step, its state
+    dict with it: the state-dict wait is answered no sooner than the checkpoint's own wait, then
+    with the same "superseded". Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    commit_gate, record_gate = str(tmp_path / "commit"), str(tmp_path / "record")
+    arm_in_monitor(monitor, "before_manifest", f"until:{DEADLINE_S:g}:{commit_gate}")
+    arm_in_monitor(monitor, "before_failure_record", f"until:{DEADLINE_S:g}:{record_gate}")
+    coord.register(2, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(2)}/model.bin"
+    coord.save_sync(lambda: write_file(path, os.urandom(64)), 2)
+    wait_for(lambda: held_at(monitor, "before_manifest"), DEADLINE_S, "the commit held before its manifest")
+    open_attempt(Storage(root), "the-next-job", None)
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced, DEADLINE_S, "the monitor fenced")
+    early: list = []  # begun before the checkpoint failed: ends once the failure is recorded
+    waiter = threading.Thread(target=lambda: early.append(in_thread(
+        lambda: coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S), 2 * DEADLINE_S)), daemon=True)
+    waiter.start()
+    open(commit_gate, "w").close()
+    wait_for(lambda: held_at(monitor, "before_failure_record"), DEADLINE_S, "the failure's record held")
+    for sd in (True, False):  # failed, not yet recorded: both kinds' waits keep waiting
+        outcome, error = in_thread(lambda sd=sd: coord.wait_committed(2, is_state_dict=sd, timeout_s=3), DEADLINE_S)
+        assert outcome == "raised" and isinstance(error, TimeoutError), (sd, outcome, error)
+    assert not early, early
+    open(record_gate, "w").close()
+    waiter.join(2 * DEADLINE_S)
+    later = [in_thread(lambda sd=sd: coord.wait_committed(2, is_state_dict=sd, timeout_s=DEADLINE_S), DEADLINE_S)
+             for sd in (True, False)]
+    for outcome, error in early + later:
+        assert outcome == "raised" and "superseded" in str(error), (outcome, error)
+    assert read_manifest(root, 2, CKPT) is None and tracker_of(root, SD) == 1
     coord.close()

@@ -97,11 +97,13 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._warned: set[str] = set()
         self._fenced: str | None = None
         self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (FenceWatch)
+        self._fence_seen = 0  # refusals of a publish by a newer attempt (FenceWatch)
         try:
             check_fence(self._storage, attempt)
         except FencedError as e:
             self._fenced = str(e)
             log.error("%s", e)
+        self._fence_for_good = self._fenced is not None  # this start-up's own work was not done
         restarted = started_before(self._storage, attempt)
         if not restarted and self._fenced is None:
             clean_up_older_attempts(self._storage, attempt, self._template)
@@ -355,7 +357,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         while True:
             await asyncio.sleep(period)
             try:
-                if self._fenced is None and time.monotonic() >= next_fence_check and (
+                if not self._fence_for_good and time.monotonic() >= next_fence_check and (
                         fence_check is None or fence_check.done()):
                     next_fence_check = time.monotonic() + FENCE_CHECK_S
                     fence_check = asyncio.get_running_loop().create_task(self._look_for_newer_attempt())

@@ -215,7 +215,7 @@ class CommitFlow:
             return
         except Exception as e:
             if isinstance(e, FencedError):
-                self._fenced = str(e)
+                self._fenced_by(e)
             tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
             reason = f"commit failed{tries}: {type(e).__name__}: {e}"
             for kind in kinds:
@@ -252,7 +252,7 @@ class CommitFlow:
             times[phases.TRACKERS] = time.perf_counter() - t1
         except Exception as e:
             if isinstance(e, FencedError):
-                self._fenced = str(e)
+                self._fenced_by(e)
             for kind in kinds:
                 rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
             log.error("step %d: %s", rec.step, rec[kinds[0]].reason)
@@ -356,7 +356,7 @@ class CommitFlow:
                     self._announce()
                 break
             except FencedError as e:
-                self._fenced = str(e)
+                self._fenced_by(e)
                 log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
                 break
             except Exception as e:

@@ -5,7 +5,8 @@ refuses nor stops it; the old monitor would learn of the newer attempt only when
 publishes (:func:`ckptd.fencing.check_fence`), and an idle one would keep its callers waiting
 until ``step_timeout_s``. The housekeeping loop looks every :data:`FENCE_CHECK_S` seconds
 instead; once fenced, however it learned of it, every step it has not committed fails, naming
-the newer attempt.
+the newer attempt. The same looks lift a fence that a losing ``start_monitor``'s short-lived
+attempt caused.
 
 A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor`.
 """
@@ -25,12 +26,23 @@ FENCE_CHECK_S = 5.0
 
 
 class FenceWatch:
-    """Looks for a newer attempt, and fails what a fenced monitor can no longer commit."""
+    """Looks for a newer attempt, and fails what a fenced monitor can no longer commit.
+
+    A fence learned at start-up, or seen by two looks in a row, is for good. One that a publish or
+    retention ran into is lifted by the next look that finds no newer attempt: a ``start_monitor``
+    that lost a race on the root took its attempt back (what failed meanwhile stays failed)."""
+
+    def _fenced_by(self, e: FencedError) -> None:
+        """A publish found a newer attempt on the root."""
+        self._fence_seen += 1
+        if self._fenced is None:
+            self._fenced = str(e)
 
     async def _look_for_newer_attempt(self) -> None:
-        """Fenced once two checks in a row found the same newer attempt record: a
+        """Fenced for good once two checks in a row found the same newer attempt record: a
         ``start_monitor`` that lost a race takes its attempt back within seconds, and the next
         loser reuses its number."""
+        seen, retention_fence = self._fence_seen, self._retention.fenced
         try:
             newest = await self._in_thread(current_attempt, self._storage)
         except Exception as e:  # storage unreachable: the next check, or the next publish, tells
@@ -38,10 +50,20 @@ class FenceWatch:
             return
         if newest is None or newest.attempt <= self._attempt:
             self._newer_attempt = None
+            # Lifted only where no refusal came while this look ran: it may have seen an attempt
+            # that this look's listing missed.
+            if self._fenced is not None and self._fence_seen == seen:
+                log.warning("no newer attempt on the root any more (%s): publishing again", self._fenced)
+                self._fenced = None
+            if retention_fence is not None and self._retention.fenced is retention_fence:
+                self._retention.fenced = None
+                self._retention.schedule()
             return
-        if newest == self._newer_attempt and self._fenced is None:
-            self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
-            log.error("%s", self._fenced)
+        if newest == self._newer_attempt:
+            self._fence_for_good = True
+            if self._fenced is None:
+                self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
+                log.error("%s", self._fenced)
         self._newer_attempt = newest
 
     def _why_fenced(self) -> str | None:

@@ -194,3 +194,71 @@ def test_a_state_dict_wait_on_a_checkpoint_only_step_is_answered_only_once_the_c
         assert outcome == "raised" and "superseded" in str(error), (outcome, error)
     assert read_manifest(root, 2, CKPT) is None and tracker_of(root, SD) == 1
     coord.close()
+
+
+def _take_back(storage: Storage, attempt: int) -> None:
+    """What a losing ``start_monitor`` does with the attempt it opened."""
+    for suffix in ("json", "started"):
+        path = storage.join(LEDGER_DIR, "attempts", f"{attempt}.{suffix}")
+        if storage.exists(path):
+            storage.rm(path)
+
+
+def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(make_monitor, tmp_path):
+    """A losing ``start_monitor``'s attempt is on the root while step 2 commits: the commit is
+    refused and the step fails (the contract's limit of that race). The attempt is taken back
+    before two fence checks could see it, so the next check lifts the fence: step 3 commits. It
+    stayed fenced for good before (found by a helper's attack, session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    coord.register(2, checkpoint_thread_count=1)
+    go = threading.Event()
+    path = f"{coord.step_dir(2)}/model.bin"
+    def save() -> None:
+        go.wait(DEADLINE_S)
+        write_file(path, os.urandom(64))
+
+    coord.save_async("model", save, 2)
+    loser = open_attempt(storage, "a-racing-job", None)
+    go.set()  # the step's last unit finishes: its commit runs into the racing attempt
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        coord.wait_committed(2, timeout_s=DEADLINE_S)
+    _take_back(storage, loser.attempt)
+    assert "superseded" in ray.get(monitor.status.remote()).fenced
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+    commit_one(coord, 3, "model.bin", is_state_dict=False)
+    assert tracker_of(root, CKPT) == 3 and read_manifest(root, 2, CKPT) is None
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        coord.wait_committed(2, timeout_s=DEADLINE_S)  # what failed meanwhile stays failed
+    coord.close()
+
+
+def test_a_fence_that_retention_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(make_monitor, tmp_path):
+    """Retention (two checkpoints kept) is about to delete step 1 when a losing ``start_monitor``'s
+    attempt appears: the deletion is refused, and retention stops. Once the attempt is taken back,
+    the next fence check lifts that fence and retention runs again."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_ckpt_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    gate = str(tmp_path / "gate")
+    for step in (1, 2):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    arm_in_monitor(monitor, "before_step_delete", f"until:{DEADLINE_S:g}:{gate}")
+    commit_one(coord, 3, "model.bin", is_state_dict=False)
+    wait_for(lambda: held_at(monitor, "before_step_delete"), DEADLINE_S, "retention about to delete step 1")
+    loser = open_attempt(storage, "a-racing-job", None)
+    arm_in_monitor(monitor, "before_step_delete", None)
+    open(gate, "w").close()
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced, DEADLINE_S, "retention fenced")
+    _take_back(storage, loser.attempt)
+    assert os.path.isdir(coord.step_dir(1))
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+    commit_one(coord, 4, "model.bin", is_state_dict=False)
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    assert [os.path.isdir(coord.step_dir(s)) for s in (1, 2, 3, 4)] == [False, False, True, True]
+    assert tracker_of(root, CKPT) == 4
+    coord.close()

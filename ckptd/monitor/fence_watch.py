@@ -28,9 +28,10 @@ FENCE_CHECK_S = 5.0
 class FenceWatch:
     """Looks for a newer attempt, and fails what a fenced monitor can no longer commit.
 
-    A fence learned at start-up, or seen by two looks in a row, is for good. One that a publish or
-    retention ran into is lifted by the next look that finds no newer attempt: a ``start_monitor``
-    that lost a race on the root took its attempt back (what failed meanwhile stays failed)."""
+    A fence learned at start-up, or seen by two looks in a row, is for good. One that a publish,
+    retention or the mirror's upload ran into is lifted by the next look that finds no newer
+    attempt: a ``start_monitor`` that lost a race on the root took its attempt back (what failed
+    meanwhile stays failed; the mirror uploads what waited)."""
 
     def _fenced_by(self, e: FencedError) -> None:
         """A publish found a newer attempt on the root."""
@@ -43,6 +44,7 @@ class FenceWatch:
         ``start_monitor`` that lost a race takes its attempt back within seconds, and the next
         loser reuses its number."""
         seen, retention_fence = self._fence_seen, self._retention.fenced
+        mirror_fence = None if self._mirror is None else self._mirror.fenced
         try:
             newest = await self._in_thread(current_attempt, self._storage)
         except Exception as e:  # storage unreachable: the next check, or the next publish, tells
@@ -58,6 +60,8 @@ class FenceWatch:
             if retention_fence is not None and self._retention.fenced is retention_fence:
                 self._retention.fenced = None
                 self._retention.schedule()
+            if mirror_fence is not None and self._mirror.fenced is mirror_fence:
+                self._mirror.lift_fence()
             return
         if newest == self._newer_attempt:
             self._fence_for_good = True

@@ -145,6 +145,17 @@ class Mirror:
         self._retry_at.pop(step, None)
         self._wake.set()
 
+    @property
+    def fenced(self) -> str | None:
+        """Why the mirror uploads nothing: a newer attempt on the root, found by an upload."""
+        return self._fenced
+
+    def lift_fence(self) -> None:
+        """The newer attempt is gone (a ``start_monitor`` that lost a race took it back): upload
+        what waits, the step that ran into the fence too."""
+        self._fenced = None
+        self._wake.set()
+
     def retry_now(self) -> None:
         """Try failed uploads again now instead of after ``retry_after_s``."""
         self._retry_at.clear()
@@ -191,7 +202,7 @@ class Mirror:
             trackers=Trackers(checkpoint=self._trackers[Kind.CHECKPOINT], state_dict=self._trackers[Kind.STATE_DICT]),
             queued=sorted(self._queue), uploading=self._current, steps=[r.to_status() for r in recent],
             retried_requests=retried, uploaded_bytes=uploaded, start_error=self._start_error,
-            deleted_steps=list(self._deleted), retention_errors=list(self._retention_errors),
+            deleted_steps=list(self._deleted), retention_errors=list(self._retention_errors), fenced=self._fenced,
         )
 
     # -- the upload loop -----------------------------------------------------------------------
@@ -216,11 +227,11 @@ class Mirror:
         self._startup_local = {}
         self._ready = True
         self._on_change()
-        while self._fenced is None:
-            step = self._next_due()
+        while True:
+            step = self._next_due() if self._fenced is None else None  # fenced: until lifted
             if step is None:
                 self._wake.clear()
-                due = min(self._retry_at.values(), default=None)
+                due = None if self._fenced is not None else min(self._retry_at.values(), default=None)
                 try:
                     await asyncio.wait_for(self._wake.wait(), None if due is None else max(0.0, due - time.monotonic()))
                 except asyncio.TimeoutError:
@@ -256,13 +267,17 @@ class Mirror:
                 await self._io(self._retrying, f"manifest of step {step}", self.remote.write_atomic,
                                self.remote.join(name, MANIFESTS[kind]), data)
             await self._advance_trackers(step, set(manifests))
-        except (LocalCopyError, FencedError) as e:
+        except FencedError as e:
+            # Uploaded again if the fence is lifted (lift_fence); meanwhile waits say why not.
+            rec.state, rec.error = MirrorState.FAILED, f"not mirrored: {e}"
+            log.error("step %d: %s", step, rec.error)
+            self._fenced = str(e)
+            self._queue.add(step)
+            for waiting in list(self._events):
+                self._release_waiters(waiting)
+        except LocalCopyError as e:
             rec.state, rec.error = MirrorState.ABANDONED, f"not mirrored: {e}"
             log.error("step %d: %s", step, rec.error)
-            if isinstance(e, FencedError):
-                self._fenced = str(e)
-                for waiting in list(self._events):  # none will be mirrored by this monitor
-                    self._release_waiters(waiting)
             self._release_waiters(step)
         except Exception as e:
             rec.state, rec.error = MirrorState.FAILED, f"{type(e).__name__}: {e}"

@@ -125,6 +125,9 @@ class MirrorStatus(BaseModel):
     start_error: str | None
     deleted_steps: list[int]
     retention_errors: list[str]
+    #: Why nothing is uploaded: an upload found a newer attempt on the root. Lifted if that attempt
+    #: goes (a ``start_monitor`` that lost a race took it back).
+    fenced: str | None = None
 
     def step(self, step: int) -> MirrorStepStatus | None:
         return next((s for s in self.steps if s.step == step), None)

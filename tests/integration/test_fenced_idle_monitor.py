@@ -262,3 +262,30 @@ def test_a_fence_that_retention_ran_into_is_lifted_once_the_losing_attempt_is_ta
     assert [os.path.isdir(coord.step_dir(s)) for s in (1, 2, 3, 4)] == [False, False, True, True]
     assert tracker_of(root, CKPT) == 4
     coord.close()
+
+
+def test_a_fence_that_the_mirrors_upload_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(
+        make_monitor, tmp_path):
+    """Step 2's upload to the mirror checks the fence while a losing ``start_monitor``'s attempt
+    is on the root: refused, and a wait says why. Once the attempt is taken back, the monitor's
+    next look lifts the mirror's fence and step 2 goes up. The upload loop used to end for good."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror=mirror)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_mirror_manifest", f"until:{DEADLINE_S:g}:{gate}")
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    wait_for(lambda: held_at(monitor, "before_mirror_manifest"), DEADLINE_S, "step 2's upload held")
+    loser = open_attempt(storage, "a-racing-job", None)
+    arm_in_monitor(monitor, "before_mirror_manifest", None)
+    open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointError, match=f"superseded by attempt {loser.attempt}"):
+        coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    assert "superseded" in ray.get(monitor.status.remote()).mirror.fenced
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: ray.get(monitor.status.remote()).mirror.fenced is None, 3 * FENCE_CHECK_S + 5,
+             "the mirror's fence lifted")
+    coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    assert tracker_of(mirror, CKPT) == 2 and ray.get(monitor.status.remote()).fenced is None
+    coord.close()

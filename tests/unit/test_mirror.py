@@ -122,3 +122,40 @@ def test_a_fenced_mirror_uploads_and_deletes_nothing(tmp_path):
     with pytest.raises(Exception, match="attempt"):
         mirror._retention_pass(set())
     assert committed_steps(remote, Kind.CHECKPOINT) == [1, 2]
+
+
+def test_a_mirror_fenced_by_an_attempt_taken_back_uploads_once_the_fence_is_lifted(tmp_path):
+    """A losing ``start_monitor``'s attempt is on the root when step 3's upload checks the fence:
+    the upload is refused and its waiters hear why. Once that attempt is taken back, the monitor's
+    fence watch lifts the mirror's fence (``lift_fence``): step 3 goes up, and the mirror's retention
+    runs again. Before, the upload loop ended at the first fence, for good."""
+    from functools import partial
+
+    from ckptd.fencing import attempts_dir, check_fence
+    from ckptd.monitor.attempts import open_attempt
+
+    local = Storage(str(tmp_path / "local"))
+    remote = Storage(f"memory://mirror-{uuid.uuid4().hex[:8]}/run")
+    mine = open_attempt(local, "job-1", None).attempt
+    loser = open_attempt(local, "a-racing-job", None).attempt
+    for step in (1, 2, 3):
+        commit(local, step)
+    for step in (1, 2):
+        commit(remote, step)
+    mirror = Mirror(local, remote, MirrorOptions(url=remote.url, max_ckpt_to_keep=2), TEMPLATE, {}, lambda: None,
+                    check_fence=partial(check_fence, local, mine))
+
+    async def scenario():
+        mirror.enqueue(3)
+        fenced = await mirror.wait(3, 30)
+        assert mirror.fenced is not None and 3 in mirror.protected()
+        local.rm(f"{attempts_dir(local)}/{loser}.json")
+        mirror.lift_fence()
+        lifted = await mirror.wait(3, 30)
+        await mirror.retention_idle.wait()
+        return fenced, lifted
+
+    fenced, lifted = asyncio.run(run_until(mirror, scenario()))
+    assert not fenced["mirrored"] and f"attempt {loser}" in fenced["error"], fenced
+    assert lifted == {"mirrored": True, "error": None}, lifted
+    assert mirror.fenced is None and committed_steps(remote, Kind.CHECKPOINT) == [2, 3]

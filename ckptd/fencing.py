@@ -70,8 +70,13 @@ def read_attempt(storage: Storage, attempt: int) -> AttemptRecord | None:
 
 
 def current_attempt(storage: Storage) -> AttemptRecord | None:
-    attempts = list_attempts(storage)
-    return read_attempt(storage, attempts[-1]) if attempts else None
+    """The newest attempt's record, or None if there is none. One taken back between the
+    listing and the read (a ``start_monitor`` that lost a race) is skipped for the next newest."""
+    for attempt in reversed(list_attempts(storage)):
+        record = read_attempt(storage, attempt)
+        if record is not None:
+            return record
+    return None
 
 
 def check_fence(storage: Storage, mine: int, who: Fenced = "monitor") -> None:

@@ -31,7 +31,7 @@ from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.fence_watch import FENCE_CHECK_S, FenceWatch
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import StepLedger
+from ckptd.monitor.ledger import StepLedger, StepRecord
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -103,8 +103,10 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         except FencedError as e:
             self._fenced = str(e)
             log.error("%s", e)
-        self._fence_for_good = self._fenced is not None  # this start-up's own work was not done
         restarted = started_before(self._storage, attempt)
+        # A first start that found itself fenced did not do its start-up's work (below): for good.
+        self._fence_for_good = self._fenced is not None and not restarted
+        self._deferred_checks: dict[int, tuple[StepRecord, str]] = {}  # FenceWatch
         if not restarted and self._fenced is None:
             clean_up_older_attempts(self._storage, attempt, self._template)
             mark_started(self._storage, attempt)
@@ -295,7 +297,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._settled(step, k):
-            fenced = self._why_fenced()
+            fenced = self._final_fence()
             if fenced is not None and not self._could_settle(step, k):
                 # Nothing known of the step can settle the kind, and this monitor will accept
                 # nothing new that could.

@@ -135,12 +135,15 @@ class CommitFlow:
         # rebuilds the step from its units' receipts and, with every unit finished, would commit
         # a step its callers had been told had failed.
         await self._write_failure_durably(rec.step, kind, reason)
-        if kind is CKPT and self._why_fenced() is None:
+        if kind is CKPT and self._why_fenced() is not None:
+            # Not by a fenced monitor: the root is the newer job's, which may rewrite those files,
+            # and whose monitor checks what it finds; this one could not withdraw anything anyway.
+            # Checked if the fence is lifted (a losing start_monitor's attempt: no newer job).
+            self._defer_check(rec, f"the step's full checkpoint failed ({reason})")
+        elif kind is CKPT:
             # Whatever failed the full checkpoint (a unit, its commit, its timeout), a file of the
             # step's committed state dict may have been replaced meanwhile: storage is checked
-            # (and the state dict withdrawn if so) before anyone hears of the failure. Not by a
-            # fenced monitor: the root is the newer job's, which may rewrite those files, and whose
-            # monitor checks what it finds; this one could not withdraw anything anyway.
+            # (and the state dict withdrawn if so) before anyone hears of the failure.
             try:
                 await self.withdraw_if_changed(rec, f"the step's full checkpoint failed ({reason})")
             except Exception:  # the check retries storage errors itself: this is a bug, and is not hidden

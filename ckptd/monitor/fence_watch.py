@@ -4,9 +4,9 @@ A job started on the root from another Ray cluster cannot see the old monitor, s
 refuses nor stops it; the old monitor would learn of the newer attempt only when it next
 publishes (:func:`ckptd.fencing.check_fence`), and an idle one would keep its callers waiting
 until ``step_timeout_s``. The housekeeping loop looks every :data:`FENCE_CHECK_S` seconds
-instead; once fenced, however it learned of it, every step it has not committed fails, naming
-the newer attempt. The same looks lift a fence that a losing ``start_monitor``'s short-lived
-attempt caused.
+instead; once two looks in a row found the same newer attempt, every step it has not committed
+fails, naming it. A fence that a publish ran into is lifted by the next look that finds no newer
+attempt (a losing ``start_monitor``'s short-lived one); until then only what it refuses fails.
 
 A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor`.
 """
@@ -17,7 +17,7 @@ import logging
 
 from ckptd.config import Kind
 from ckptd.fencing import FencedError, current_attempt
-from ckptd.monitor.records import StepRecord
+from ckptd.monitor.records import SD, StepRecord
 
 log = logging.getLogger("ckptd.monitor")
 
@@ -57,6 +57,7 @@ class FenceWatch:
             if self._fenced is not None and self._fence_seen == seen:
                 log.warning("no newer attempt on the root any more (%s): publishing again", self._fenced)
                 self._fenced = None
+                self._run_deferred_checks()
             if retention_fence is not None and self._retention.fenced is retention_fence:
                 self._retention.fenced = None
                 self._retention.schedule()
@@ -70,18 +71,37 @@ class FenceWatch:
                 log.error("%s", self._fenced)
         self._newer_attempt = newest
 
+    def _defer_check(self, rec: StepRecord, after: str) -> None:
+        """Check the committed state dict of ``rec`` against storage if the fence is lifted
+        (:meth:`withdraw_if_changed`); retention keeps it meanwhile without counting it."""
+        if rec.step not in self._deferred_checks:
+            rec[SD].checks += 1
+            self._deferred_checks[rec.step] = (rec, after)
+
+    def _run_deferred_checks(self) -> None:
+        for rec, after in self._deferred_checks.values():
+            rec[SD].checks -= 1
+            self._spawn(self.withdraw_if_changed(rec, after))
+        self._deferred_checks.clear()
+
+    def _final_fence(self) -> str | None:
+        """A fence no look will lift (found at a first start, or by two looks in a row), or None.
+        Only it fails what is in flight and answers waits that nothing registered could settle:
+        one that a look lifts would leave those answers wrong."""
+        return self._fenced if self._fence_for_good else None
+
     def _why_fenced(self) -> str | None:
         """Why this monitor may no longer publish (a newer attempt, however it learned of it:
         this watch, a publish, retention), or None."""
         return self._fenced or self._retention.fenced
 
     def _fail_if_fenced(self) -> list[tuple[StepRecord, Kind]]:
-        """Once fenced: fail every active, unsettled kind of every step (a step registered since
-        too), and wake the waits that nothing known can settle any more: on steps nobody registered,
-        or on the state dict of a step registered only for a full checkpoint (``wait_committed``
-        tells them why).
-        The kinds failed, for the caller to record."""
-        fenced = self._why_fenced()
+        """Once fenced for good: fail every active, unsettled kind of every step (a step registered
+        since too), and wake the waits that nothing known can settle any more: on steps nobody
+        registered, or on the state dict of a step registered only for a full checkpoint
+        (``wait_committed`` tells them why). The kinds failed, for the caller to record. Under a
+        fence that a look may lift, only what the fence refuses fails."""
+        fenced = self._final_fence()
         if fenced is None:
             return []
         failed = self._ledger.fail_unsettled(f"not committed: {fenced}")

@@ -22,11 +22,13 @@ from ckptd.storage import Storage
 
 from .helpers import (
     arm_in_monitor,
+    assert_trackers_verified,
     commit_one,
     held_at,
     in_thread,
     read_manifest,
     replace_same_size,
+    restart_monitor,
     tracker_of,
     wait_for,
     write_file,
@@ -131,7 +133,8 @@ def test_attempts_taken_back_by_losing_start_monitors_do_not_fence_the_live_moni
 def test_a_monitor_fenced_by_its_own_publish_ends_the_waits_on_steps_nobody_registered(make_monitor, tmp_path):
     """The new job's attempt appears and step 2's commit runs into it at once (the manifest's
     fence check), before two fence checks could see it: the monitor is fenced by that publish,
-    and a wait on a step nobody registered must still end."""
+    and a wait on a step nobody registered must still end, once two checks saw the attempt (a
+    look that found it gone would lift the fence, and the step could still commit)."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -149,8 +152,8 @@ def test_a_monitor_fenced_by_its_own_publish_ends_the_waits_on_steps_nobody_regi
         coord.wait_committed(2, timeout_s=DEADLINE_S)
     # Two fence checks are FENCE_CHECK_S apart: sooner, the commit's publish fenced the monitor.
     assert time.monotonic() - t0 < FENCE_CHECK_S, "the commit took too long: the case missed its window"
-    waiter.join(2 * FENCE_CHECK_S)
-    assert unregistered, f"the wait on step 9 was still waiting {2 * FENCE_CHECK_S:g} s after the fence"
+    waiter.join(3 * FENCE_CHECK_S)
+    assert unregistered, f"the wait on step 9 was still waiting {3 * FENCE_CHECK_S:g} s after the fence"
     assert unregistered[0][0] == "raised" and "superseded" in str(unregistered[0][1]), unregistered
     assert read_manifest(root, 2, CKPT) is None and tracker_of(root, CKPT) == 1
     coord.close()
@@ -207,8 +210,9 @@ def _take_back(storage: Storage, attempt: int) -> None:
 def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(make_monitor, tmp_path):
     """A losing ``start_monitor``'s attempt is on the root while step 2 commits: the commit is
     refused and the step fails (the contract's limit of that race). The attempt is taken back
-    before two fence checks could see it, so the next check lifts the fence: step 3 commits. It
-    stayed fenced for good before (found by a helper's attack, session 33)."""
+    before two fence checks could see it, so the next check lifts the fence: step 3 commits, and a
+    wait on it begun under the fence says so. It stayed fenced for good before, and that wait was
+    told "superseded" (found by helpers' attacks, session 33)."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -226,10 +230,17 @@ def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_tak
     go.set()  # the step's last unit finishes: its commit runs into the racing attempt
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         coord.wait_committed(2, timeout_s=DEADLINE_S)
+    # Not answered "superseded" under a fence that a look may lift: step 3 commits after all.
+    waits: list = []
+    waiter = threading.Thread(target=lambda: waits.append(in_thread(
+        lambda: coord.wait_committed(3, timeout_s=DEADLINE_S), 2 * DEADLINE_S)), daemon=True)
+    waiter.start()
     _take_back(storage, loser.attempt)
     assert "superseded" in ray.get(monitor.status.remote()).fenced
     wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
     commit_one(coord, 3, "model.bin", is_state_dict=False)
+    waiter.join(2 * DEADLINE_S)
+    assert waits == [("ok", None)], waits
     assert tracker_of(root, CKPT) == 3 and read_manifest(root, 2, CKPT) is None
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         coord.wait_committed(2, timeout_s=DEADLINE_S)  # what failed meanwhile stays failed
@@ -288,4 +299,68 @@ def test_a_fence_that_the_mirrors_upload_ran_into_is_lifted_once_the_losing_atte
              "the mirror's fence lifted")
     coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert tracker_of(mirror, CKPT) == 2 and ray.get(monitor.status.remote()).fenced is None
+    coord.close()
+
+
+def test_a_monitor_restarted_while_a_losing_attempt_is_on_the_root_is_not_fenced_for_good(make_monitor, tmp_path):
+    """The monitor's process dies and Ray restarts it while a losing ``start_monitor``'s attempt
+    is on the root: the restarted monitor finds itself fenced. Its first start did the start-up's
+    work, so a look that finds the attempt gone lifts that fence, and step 2 commits. Found by a
+    helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    loser = open_attempt(storage, "a-racing-job", None)
+    restart_monitor(monitor, how="sigkill")
+    assert "superseded" in ray.get(monitor.status.remote()).fenced
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    assert tracker_of(root, CKPT) == 2
+    coord.close()
+
+
+def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fence_is_withdrawn(
+        make_monitor, tmp_path):
+    """Step 2's state dict is committed; its full checkpoint's unit still runs when a losing
+    ``start_monitor``'s attempt fences the monitor (step 3's commit ran into it). The unit then
+    replaces the state dict's file and fails. A fenced monitor leaves that check to the newer
+    job; once the fence is lifted there is none, so it checks then, and withdraws state dict 2:
+    the tracker goes back to step 1. Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(2)}/weights.bin"
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    admitted, go = threading.Event(), threading.Event()
+
+    def replace_then_fail() -> None:
+        admitted.set()
+        go.wait(DEADLINE_S)
+        replace_same_size(weights)
+        raise OSError("disk full after replacing weights.bin")
+
+    coord.save_async("optimizer", replace_then_fail, 2)
+    assert admitted.wait(DEADLINE_S)
+    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    loser = open_attempt(storage, "a-racing-job", None)
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    go.set()
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_all()
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(2, timeout_s=DEADLINE_S)
+    _take_back(storage, loser.attempt)
+    assert tracker_of(root, SD) == 2  # not checked while fenced
+    wait_for(lambda: tracker_of(root, SD) == 1, 3 * FENCE_CHECK_S + 5, "state dict 2 withdrawn after the lift")
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert_trackers_verified(root)
     coord.close()

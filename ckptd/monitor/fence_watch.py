@@ -28,7 +28,7 @@ FENCE_CHECK_S = 5.0
 class FenceWatch:
     """Looks for a newer attempt, and fails what a fenced monitor can no longer commit.
 
-    A fence learned at start-up, or seen by two looks in a row, is for good. One that a publish,
+    A fence learned at a first start, or seen by two looks in a row, is for good. One that a publish,
     retention or the mirror's upload ran into is lifted by the next look that finds no newer
     attempt: a ``start_monitor`` that lost a race on the root took its attempt back (what failed
     meanwhile stays failed; the mirror uploads what waited)."""
@@ -57,12 +57,13 @@ class FenceWatch:
             if self._fenced is not None and self._fence_seen == seen:
                 log.warning("no newer attempt on the root any more (%s): publishing again", self._fenced)
                 self._fenced = None
-                self._run_deferred_checks()
             if retention_fence is not None and self._retention.fenced is retention_fence:
                 self._retention.fenced = None
                 self._retention.schedule()
             if mirror_fence is not None and self._mirror.fenced is mirror_fence:
                 self._mirror.lift_fence()
+            if self._why_fenced() is None:
+                self._run_deferred_checks()
             return
         if newest == self._newer_attempt:
             self._fence_for_good = True

@@ -207,6 +207,19 @@ def _take_back(storage: Storage, attempt: int) -> None:
             storage.rm(path)
 
 
+def _losing_attempt_at(monitor, failpoint: str, storage: Storage, tmp_path, reach) -> object:
+    """Call ``reach``, which takes the monitor to ``failpoint``; hold it there while a losing
+    ``start_monitor`` opens its attempt, then let it go on. The attempt."""
+    gate = str(tmp_path / f"{failpoint}.gate")
+    arm_in_monitor(monitor, failpoint, f"until:{DEADLINE_S:g}:{gate}")
+    reach()
+    wait_for(lambda: held_at(monitor, failpoint), DEADLINE_S, f"the monitor held at {failpoint}")
+    loser = open_attempt(storage, "a-racing-job", None)
+    arm_in_monitor(monitor, failpoint, None)
+    open(gate, "w").close()
+    return loser
+
+
 def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(make_monitor, tmp_path):
     """A losing ``start_monitor``'s attempt is on the root while step 2 commits: the commit is
     refused and the step fails (the contract's limit of that race). The attempt is taken back
@@ -255,15 +268,10 @@ def test_a_fence_that_retention_ran_into_is_lifted_once_the_losing_attempt_is_ta
     monitor = make_monitor(root, max_ckpt_to_keep=2)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
-    gate = str(tmp_path / "gate")
     for step in (1, 2):
         commit_one(coord, step, "model.bin", is_state_dict=False)
-    arm_in_monitor(monitor, "before_step_delete", f"until:{DEADLINE_S:g}:{gate}")
-    commit_one(coord, 3, "model.bin", is_state_dict=False)
-    wait_for(lambda: held_at(monitor, "before_step_delete"), DEADLINE_S, "retention about to delete step 1")
-    loser = open_attempt(storage, "a-racing-job", None)
-    arm_in_monitor(monitor, "before_step_delete", None)
-    open(gate, "w").close()
+    loser = _losing_attempt_at(monitor, "before_step_delete", storage, tmp_path,  # retention deletes step 1
+                               lambda: commit_one(coord, 3, "model.bin", is_state_dict=False))
     wait_for(lambda: ray.get(monitor.status.remote()).fenced, DEADLINE_S, "retention fenced")
     _take_back(storage, loser.attempt)
     assert os.path.isdir(coord.step_dir(1))
@@ -284,13 +292,8 @@ def test_a_fence_that_the_mirrors_upload_ran_into_is_lifted_once_the_losing_atte
     monitor = make_monitor(root, mirror=mirror)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
-    gate = str(tmp_path / "gate")
-    arm_in_monitor(monitor, "before_mirror_manifest", f"until:{DEADLINE_S:g}:{gate}")
-    commit_one(coord, 2, "model.bin", is_state_dict=False)
-    wait_for(lambda: held_at(monitor, "before_mirror_manifest"), DEADLINE_S, "step 2's upload held")
-    loser = open_attempt(storage, "a-racing-job", None)
-    arm_in_monitor(monitor, "before_mirror_manifest", None)
-    open(gate, "w").close()
+    loser = _losing_attempt_at(monitor, "before_mirror_manifest", storage, tmp_path,
+                               lambda: commit_one(coord, 2, "model.bin", is_state_dict=False))
     with pytest.raises(ckptd.CheckpointError, match=f"superseded by attempt {loser.attempt}"):
         coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert "superseded" in ray.get(monitor.status.remote()).mirror.fenced

@@ -79,9 +79,25 @@ def current_attempt(storage: Storage) -> AttemptRecord | None:
     return None
 
 
+def _read_any(storage: Storage, attempt: int) -> AttemptRecord | None:
+    """:func:`read_attempt`, with a record that does not parse standing as one of an unknown run:
+    whoever wrote it opened that attempt all the same."""
+    try:
+        return read_attempt(storage, attempt)
+    except ValueError:  # pydantic's ValidationError
+        return AttemptRecord(attempt=attempt, run="?", namespace=None, root=storage.url, started_at=0.0, host="?")
+
+
+def newer_attempts(storage: Storage, mine: int) -> list[AttemptRecord]:
+    """The records of the attempts newer than ``mine``, oldest first; one taken back between the
+    listing and the read is left out."""
+    records = (_read_any(storage, attempt) for attempt in list_attempts(storage) if attempt > mine)
+    return [r for r in records if r is not None]
+
+
 def check_fence(storage: Storage, mine: int, who: Fenced = "monitor") -> None:
     """Raise FencedError unless ``mine`` is still the newest attempt of the root."""
     attempts = list_attempts(storage)
     if attempts and attempts[-1] > mine:
-        newer = read_attempt(storage, attempts[-1])
+        newer = _read_any(storage, attempts[-1])
         raise FencedError(mine, attempts[-1], newer.run if newer else "?", who)

@@ -97,6 +97,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._warned: set[str] = set()
         self._fenced: str | None = None
         self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (FenceWatch)
+        self._newer_seen: frozenset[AttemptRecord] = frozenset()  # every newer one it found
         self._fence_seen = 0  # refusals of a publish by a newer attempt (FenceWatch)
         try:
             check_fence(self._storage, attempt)
@@ -107,6 +108,8 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         # A first start that found itself fenced did not do its start-up's work (below): for good.
         self._fence_for_good = self._fenced is not None and not restarted
         self._deferred_checks: dict[int, tuple[StepRecord, str]] = {}  # FenceWatch
+        self._deferred_withdrawals: dict[int, StepRecord] = {}
+        self._trackers_unrepaired = self._fenced is not None  # rebuild() leaves them to a lift
         if not restarted and self._fenced is None:
             clean_up_older_attempts(self._storage, attempt, self._template)
             mark_started(self._storage, attempt)

@@ -342,7 +342,8 @@ class CommitFlow:
         Storage errors are retried until the manifest is gone, however long that takes: until
         then the manifest (and a tracker naming the step) claims files that are no longer there.
         A fenced monitor stops: it publishes nothing any more, and the newer job's monitor checks
-        what it finds when it starts."""
+        what it finds when it starts; if the fence is lifted (no newer job after all), the
+        manifest goes then."""
         rec[SD].withdrawing = True  # retention must not count it among the state dicts it keeps
         # The failure is recorded before the manifest goes. A monitor that died between the two
         # would otherwise find no manifest, no failure and every unit of the step finished (the
@@ -350,6 +351,16 @@ class CommitFlow:
         # first, a restart finds the state dict failed (its full checkpoint with it), or, with the
         # manifest still there, withdraws it again at start-up (``startup._resume``).
         await self._write_failure_durably(rec.step, SD, reason)
+        if await self._withdraw_manifest(rec) or self._final_fence() is not None:
+            rec[SD].withdrawing = False
+        else:  # still withdrawing (retention keeps it uncounted) until the fence is lifted
+            self._defer_withdrawal(rec)
+        self._ledger.fail_kind(rec, SD, reason, force=True)
+        await self._after_change(rec)
+
+    async def _withdraw_manifest(self, rec: StepRecord) -> bool:
+        """Remove the state dict's manifest of ``rec`` and point its tracker back; False if a
+        newer attempt on the root refused it (fenced)."""
         tries = 0
         while True:
             try:
@@ -357,15 +368,12 @@ class CommitFlow:
                     newest = await self._in_thread(self._committer.revoke, rec.step, SD)
                     self._trackers[SD] = newest
                     self._announce()
-                break
+                return True
             except FencedError as e:
                 self._fenced_by(e)
                 log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
-                break
+                return False
             except Exception as e:
                 tries += 1
                 await self._back_off(tries, "revoke", e, f"could not withdraw the state dict of step {rec.step}")
-        rec[SD].withdrawing = False
-        self._ledger.fail_kind(rec, SD, reason, force=True)
-        await self._after_change(rec)
 

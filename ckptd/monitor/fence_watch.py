@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 
 from ckptd.config import Kind
-from ckptd.fencing import FencedError, current_attempt
+from ckptd.fencing import FencedError, newer_attempts
+from ckptd.monitor.rebuild import repair_trackers
 from ckptd.monitor.records import SD, StepRecord
 
 log = logging.getLogger("ckptd.monitor")
@@ -40,18 +41,20 @@ class FenceWatch:
             self._fenced = str(e)
 
     async def _look_for_newer_attempt(self) -> None:
-        """Fenced for good once two checks in a row found the same newer attempt record: a
-        ``start_monitor`` that lost a race takes its attempt back within seconds, and the next
-        loser reuses its number."""
+        """Fenced for good once two checks in a row found the same record of an attempt newer
+        than this one: a ``start_monitor`` that lost a race takes its attempt back within
+        seconds, and the next loser reuses its number (with another record). Every newer record
+        counts, not only the newest: losers coming and going above a newer job that stays must
+        not keep the fence from being final."""
         seen, retention_fence = self._fence_seen, self._retention.fenced
         mirror_fence = None if self._mirror is None else self._mirror.fenced
         try:
-            newest = await self._in_thread(current_attempt, self._storage)
+            newer = await self._in_thread(newer_attempts, self._storage, self._attempt)
         except Exception as e:  # storage unreachable: the next check, or the next publish, tells
             log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
             return
-        if newest is None or newest.attempt <= self._attempt:
-            self._newer_attempt = None
+        if not newer:
+            self._newer_attempt, self._newer_seen = None, frozenset()
             # Lifted only where no refusal came while this look ran: it may have seen an attempt
             # that this look's listing missed.
             if self._fenced is not None and self._fence_seen == seen:
@@ -63,14 +66,16 @@ class FenceWatch:
             if mirror_fence is not None and self._mirror.fenced is mirror_fence:
                 self._mirror.lift_fence()
             if self._why_fenced() is None:
-                self._run_deferred_checks()
+                self._run_deferred()
             return
-        if newest == self._newer_attempt:
+        again = self._newer_seen & frozenset(newer)
+        if again:
             self._fence_for_good = True
             if self._fenced is None:
-                self._fenced = str(FencedError(self._attempt, newest.attempt, newest.run))
+                stays = max(again, key=lambda r: r.attempt)
+                self._fenced = str(FencedError(self._attempt, stays.attempt, stays.run))
                 log.error("%s", self._fenced)
-        self._newer_attempt = newest
+        self._newer_attempt, self._newer_seen = newer[-1], frozenset(newer)
 
     def _defer_check(self, rec: StepRecord, after: str) -> None:
         """Check the committed state dict of ``rec`` against storage if the fence is lifted
@@ -79,11 +84,43 @@ class FenceWatch:
             rec[SD].checks += 1
             self._deferred_checks[rec.step] = (rec, after)
 
-    def _run_deferred_checks(self) -> None:
+    def _defer_withdrawal(self, rec: StepRecord) -> None:
+        """Remove the state dict's manifest of ``rec``, which a fence refused, if the fence is
+        lifted; it stays "withdrawing" (uncounted by retention) meanwhile."""
+        self._deferred_withdrawals[rec.step] = rec
+
+    def _run_deferred(self) -> None:
+        """Once no fence is left: the work that a fence that was lifted had put off."""
         for rec, after in self._deferred_checks.values():
             rec[SD].checks -= 1
             self._spawn(self.withdraw_if_changed(rec, after))
         self._deferred_checks.clear()
+        for rec in self._deferred_withdrawals.values():
+            self._spawn(self._withdraw_deferred(rec))
+        self._deferred_withdrawals.clear()
+        if self._trackers_unrepaired:
+            self._trackers_unrepaired = False
+            self._spawn(self._repair_trackers_after_lift())
+
+    async def _withdraw_deferred(self, rec: StepRecord) -> None:
+        if not await self._withdraw_manifest(rec) and self._final_fence() is None:
+            self._defer_withdrawal(rec)  # fenced again, by a look that may lift it again
+            return
+        rec[SD].withdrawing = False
+        await self._after_change(rec)
+
+    async def _repair_trackers_after_lift(self) -> None:
+        """A monitor restarted under a fence did not repair its trackers at start-up (one left
+        behind its step's manifest by a monitor that died between the two): now it does."""
+        async with self._tracker_lock:
+            try:
+                await self._in_thread(repair_trackers, self._storage, self._template, self._committer, self._ledger,
+                                      self._trackers)
+            except FencedError as e:
+                self._fenced_by(e)
+                self._trackers_unrepaired = True
+                return
+            self._announce()
 
     def _final_fence(self) -> str | None:
         """A fence no look will lift (found at a first start, or by two looks in a row), or None.

@@ -35,7 +35,6 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     """
     out = Rebuilt()
     now = time.time()
-    newest: dict[Kind, int] = {}
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
     for step, entry in scanned.items():
@@ -45,10 +44,8 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
                 text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
                 manifest = Manifest.model_validate_json(text) if text else None
             ledger.mark_committed(step, kind, now, manifest and manifest.units, manifest and manifest.files)
-            newest[kind] = max(newest.get(kind, -1), step)
-    newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
     if committer is not None:
-        _repair_trackers(committer, ledger, newest, trackers)
+        _repair_trackers(committer, ledger, _newest(scanned), trackers)
     for pending in protocol.load_pending(storage, attempt):
         if ledger.is_committed(pending.step, Kind.CHECKPOINT):
             out.settled.append(pending.step)
@@ -72,6 +69,23 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
             out.failures.add((pending.step, kind))
         out.steps.append(rec)
     return out
+
+
+def _newest(scanned: dict[int, StepEntry]) -> dict[Kind, int]:
+    """The newest committed step of each kind (a full checkpoint counts as a state dict too)."""
+    newest: dict[Kind, int] = {}
+    for step, entry in scanned.items():
+        for kind in entry.kinds:
+            newest[kind] = max(newest.get(kind, -1), step)
+    newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
+    return newest
+
+
+def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer, ledger: StepLedger,
+                    trackers: dict[Kind, int | None]) -> None:
+    """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
+    not (fenced then)."""
+    _repair_trackers(committer, ledger, _newest(scan_steps(storage, template)), trackers)
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],

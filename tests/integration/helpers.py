@@ -634,7 +634,7 @@ def revoke_loops(monitor, step: int) -> list[int]:
         import inspect as _inspect
         out = []
         for o in gc.get_objects():
-            if (_inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name == "_revoke_state_dict"
+            if (_inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name == "_withdraw_manifest"
                     and o.cr_frame.f_locals.get("rec") is not None and o.cr_frame.f_locals["rec"].step == step):
                 out.append(o.cr_frame.f_locals.get("tries", 0))
         return sorted(out)
@@ -642,7 +642,7 @@ def revoke_loops(monitor, step: int) -> list[int]:
 
 
 MONITOR_WORK = ("_resume", "_resume_step", "withdraw_if_changed", "_changed_state_dict", "_revoke_state_dict",
-                "_commit", "_record_failure")
+                "_withdraw_manifest", "_commit", "_record_failure")
 
 
 def busy_coroutines(monitor) -> list[str]:

@@ -367,3 +367,96 @@ def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fe
         coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
     assert_trackers_verified(root)
     coord.close()
+
+
+def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_monitor, tmp_path):
+    """State dict 2 is committed; a unit of its full checkpoint finishes under a fence (step 3's
+    commit ran into a losing ``start_monitor``'s attempt), reporting that it rewrote the state
+    dict's file. The withdrawal is refused by the fence. Once the fence is lifted it is done: the
+    manifest goes and the tracker goes back to step 1. Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(2)}/weights.bin"
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    admitted, go = threading.Event(), threading.Event()
+
+    def rewrite() -> None:  # reported as a finished unit's file
+        admitted.set()
+        go.wait(DEADLINE_S)
+        write_file(weights, os.urandom(4096))
+
+    coord.save_async("optimizer", rewrite, 2)
+    assert admitted.wait(DEADLINE_S)
+    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    loser = open_attempt(storage, "a-racing-job", None)
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    go.set()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_all()  # the unit's report: refused, as it changed a committed file
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert read_manifest(root, 2, SD) is not None  # the withdrawal, refused by the fence
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: read_manifest(root, 2, SD) is None, 3 * FENCE_CHECK_S + 5, "the withdrawal done after the lift")
+    assert tracker_of(root, SD) == 1
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def test_a_tracker_left_behind_is_repaired_once_a_restarted_monitors_fence_is_lifted(make_monitor, tmp_path):
+    """The monitor dies between step 2's manifest and its tracker while a losing
+    ``start_monitor``'s attempt is on the root: restarted, it is fenced, so it does not repair
+    the tracker at start-up. Once the fence is lifted it does, before any other commit. Found by
+    a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{gate}")
+    coord.register(2, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(2)}/model.bin"
+    coord.save_async("model", lambda: write_file(path, os.urandom(64)), 2)
+    wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, "the commit held after its manifest")
+    assert read_manifest(root, 2, CKPT) is not None and tracker_of(root, CKPT) == 1
+    loser = open_attempt(storage, "a-racing-job", None)
+    restart_monitor(monitor, how="sigkill")
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: tracker_of(root, CKPT) == 2, 3 * FENCE_CHECK_S + 5, "the tracker repaired after the lift")
+    coord.wait_committed(2, timeout_s=DEADLINE_S)
+    assert ckptd.latest_step(root) == 2 and tracker_of(root, SD) == 2
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def _newer_seen_for_good(monitor):
+    return ray.get(monitor.__ray_call__.remote(lambda self: self._fence_for_good))
+
+
+def test_a_newer_job_that_stays_fences_for_good_though_losers_come_and_go_above_it(make_monitor, tmp_path):
+    """A newer job's attempt stays on the root; a losing ``start_monitor``'s attempt above it is
+    seen by one look and gone by the next. The two looks both saw the newer job's attempt: the
+    fence is final, and a wait on a step nobody registered ends. Comparing only the newest record,
+    a loser above it at every other look kept the fence provisional, and such waits waiting, for
+    as long as losers came. Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    newer = open_attempt(storage, "the-next-job", None)
+    loser = open_attempt(storage, "a-racing-job", None)
+    wait_for(lambda: _newer_attempt_seen(monitor) == loser.model_dump(), DEADLINE_S, "a look to find the loser")
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: _newer_attempt_seen(monitor) == newer.model_dump(), DEADLINE_S, "the next look")
+    assert _newer_seen_for_good(monitor)
+    with pytest.raises(ckptd.CheckpointSaveError, match=f"superseded by attempt {newer.attempt}"):
+        coord.wait_committed(9, timeout_s=DEADLINE_S)
+    coord.close()

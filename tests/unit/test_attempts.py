@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from ckptd.fencing import attempts_dir, current_attempt
+import pytest
+
+from ckptd.fencing import FencedError, attempts_dir, check_fence, current_attempt, newer_attempts
 from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
@@ -30,7 +32,23 @@ def test_the_current_attempt_skips_one_taken_back_between_the_listing_and_the_re
     thread.start()
     try:
         seen = {getattr(current_attempt(storage), "attempt", None) for _ in range(2000)}
+        newer = {tuple(r.attempt for r in newer_attempts(storage, 1)) for _ in range(2000)}
     finally:
         stop.set()
         thread.join()
     assert None not in seen and seen <= {2, 3}, seen
+    assert newer <= {(2,), (2, 3)}, newer  # what the fence watch reads: attempt 2 every time
+
+
+def test_a_newer_attempt_whose_record_does_not_parse_still_fences(tmp_path):
+    """A torn or foreign record of attempt 2 still means someone opened attempt 2: a publish of
+    attempt 1 is refused with FencedError (not a parse error, which the monitor would not count
+    as a fence), and the fence watch sees the same record at every look, so the fence becomes
+    final instead of every look failing."""
+    storage = Storage(str(tmp_path / "root"))
+    mine = open_attempt(storage, "old-job", None).attempt
+    storage.write_atomic(f"{attempts_dir(storage)}/2.json", b'{"attempt": 2, "run"')
+    with pytest.raises(FencedError, match="superseded by attempt 2"):
+        check_fence(storage, mine)
+    first, second = newer_attempts(storage, mine), newer_attempts(storage, mine)
+    assert [r.attempt for r in first] == [2] and first == second

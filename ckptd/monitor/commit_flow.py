@@ -365,8 +365,11 @@ class CommitFlow:
         while True:
             try:
                 async with self._tracker_lock:
+                    before = self._trackers[SD]
                     newest = await self._in_thread(self._committer.revoke, rec.step, SD)
                     self._trackers[SD] = newest
+                    if newest is not None and (before is None or newest > before):
+                        self._published(SD, newest)  # a commit that found the tracker ahead of it
                     self._announce()
                 return True
             except FencedError as e:

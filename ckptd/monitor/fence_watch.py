@@ -114,11 +114,14 @@ class FenceWatch:
         behind its step's manifest by a monitor that died between the two): now it does."""
         async with self._tracker_lock:
             try:
-                await self._in_thread(repair_trackers, self._storage, self._template, self._committer, self._ledger,
-                                      self._trackers)
+                await self._retrying("tracker", repair_trackers, self._storage, self._template, self._committer,
+                                     self._ledger, self._trackers)
             except FencedError as e:
                 self._fenced_by(e)
-                self._trackers_unrepaired = True
+                self._trackers_unrepaired = True  # at the next lift
+                return
+            except Exception:  # the next commit moves them; a tracker left behind names a committed step
+                log.exception("could not repair the trackers after the fence was lifted")
                 return
             self._announce()
 

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import ckptd
-from ckptd.layout import LEDGER_DIR
+from ckptd.layout import LEDGER_DIR, MANIFESTS
 from ckptd.monitor.attempts import open_attempt
 from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
@@ -29,6 +29,7 @@ from .helpers import (
     read_manifest,
     replace_same_size,
     restart_monitor,
+    revoke_loops,
     tracker_of,
     wait_for,
     write_file,
@@ -459,4 +460,38 @@ def test_a_newer_job_that_stays_fences_for_good_though_losers_come_and_go_above_
     assert _newer_seen_for_good(monitor)
     with pytest.raises(ckptd.CheckpointSaveError, match=f"superseded by attempt {newer.attempt}"):
         coord.wait_committed(9, timeout_s=DEADLINE_S)
+    coord.close()
+
+
+def test_a_withdrawal_checks_the_fence_after_finding_the_step_not_before(make_monitor, tmp_path):
+    """A withdrawal of state dict 2 is under way (a unit reported rewriting its file) when a newer
+    job opens its attempt and publishes its own step 2. The withdrawal looked for the step's
+    directory after its fence check, so it removed the newer job's manifest; the check now comes
+    after that lookup, just before the removal. Found by a helper's attack (session 33)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(2)}/weights.bin"
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    go = threading.Event()
+    coord.save_async("optimizer", lambda: (go.wait(DEADLINE_S), write_file(weights, os.urandom(4096)))[1], 2)
+    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    manifest = os.path.join(coord.step_dir(2), MANIFESTS[SD])
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_revoke", f"until:{DEADLINE_S:g}:{gate}")
+    go.set()
+    wait_for(lambda: held_at(monitor, "before_revoke"), DEADLINE_S, "the withdrawal under way")
+    open_attempt(Storage(root), "the-next-job", None)
+    published = b"the newer job's manifest of its step 2"
+    Storage(root).write_atomic(manifest, published)
+    arm_in_monitor(monitor, "before_revoke", None)
+    open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_all()
+    wait_for(lambda: not revoke_loops(monitor, 2), DEADLINE_S, "the withdrawal to end")
+    with open(manifest, "rb") as f:
+        assert f.read() == published
     coord.close()

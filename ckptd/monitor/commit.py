@@ -327,9 +327,10 @@ class Committer:
     def revoke(self, step: int, kind: Kind) -> int | None:
         """Take back a commit whose files changed: remove the manifest, then point the tracker
         of ``kind`` at the newest step still committed (or remove it). Returns that step."""
+        check_fence(self.storage, self.attempt)  # first too: a retried withdrawal ends on it
         failpoints.hit("before_revoke")
         name = find_step_dir(self.storage, step, self.template)
-        check_fence(self.storage, self.attempt)  # last, as before a rename: the lookup lists
+        check_fence(self.storage, self.attempt)  # and last, as before a rename: the lookup lists
         if name is not None:
             self.storage.rm(self.storage.join(name, MANIFESTS[kind]))
         newest = newest_committed(self.storage, kind)

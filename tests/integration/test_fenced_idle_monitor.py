@@ -357,7 +357,7 @@ def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fe
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
     go.set()
-    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+    with pytest.raises(ckptd.CheckpointSaveError):  # step 3's, or the unit's (first)
         coord.wait_all()
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_committed(2, timeout_s=DEADLINE_S)
@@ -398,8 +398,8 @@ def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_mo
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
     go.set()
-    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
-        coord.wait_all()  # the unit's report: refused, as it changed a committed file
+    with pytest.raises(ckptd.CheckpointSaveError):  # step 3's, or the unit's refused report (first)
+        coord.wait_all()  # until the unit's report is answered
     with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
         coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
     assert read_manifest(root, 2, SD) is not None  # the withdrawal, refused by the fence

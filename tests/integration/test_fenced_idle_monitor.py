@@ -404,8 +404,9 @@ def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_mo
         coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
     assert read_manifest(root, 2, SD) is not None  # the withdrawal, refused by the fence
     _take_back(storage, loser.attempt)
-    wait_for(lambda: read_manifest(root, 2, SD) is None, 3 * FENCE_CHECK_S + 5, "the withdrawal done after the lift")
-    assert tracker_of(root, SD) == 1
+    # The manifest goes first, then the tracker: both, once the withdrawal is done.
+    wait_for(lambda: read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1, 3 * FENCE_CHECK_S + 5,
+             "the withdrawal done after the lift")
     assert_trackers_verified(root)
     coord.close()
 

@@ -44,7 +44,7 @@ class CommitFlow:
 
     def _could_settle(self, step: int, kind: Kind) -> bool:
         """Whether anything known of the step could still settle ``kind``
-        (:meth:`~ckptd.monitor.ledger.Ledger.could_settle`). A full checkpoint's failure counts
+        (:meth:`~ckptd.monitor.ledger.StepLedger.could_settle`). A full checkpoint's failure counts
         only once recorded, as in :meth:`_settled`: until then a restarted monitor could still
         commit it, and the state dict with it."""
         return self._ledger.could_settle(step, kind) or (

@@ -326,6 +326,31 @@ def test_a_monitor_restarted_while_a_losing_attempt_is_on_the_root_is_not_fenced
     coord.close()
 
 
+def _rewrite(weights: str):
+    return write_file(weights, os.urandom(4096))  # what the unit wrote, for its report
+
+
+def _state_dict_2_with_a_checkpoint_unit_held(coord, then) -> threading.Event:
+    """Step 2 registered for both kinds; a unit of its full checkpoint admitted and held; its state
+    dict (``weights.bin``) committed. Setting the event returned lets the unit go on with
+    ``then(path of weights.bin)``."""
+    weights = f"{coord.step_dir(2)}/weights.bin"
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(2, checkpoint_thread_count=1)
+    admitted, go = threading.Event(), threading.Event()
+
+    def unit():
+        admitted.set()
+        go.wait(DEADLINE_S)
+        return then(weights)
+
+    coord.save_async("optimizer", unit, 2)
+    assert admitted.wait(DEADLINE_S)
+    coord.save_sync(lambda: _rewrite(weights), 2, is_state_dict=True)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    return go
+
+
 def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fence_is_withdrawn(
         make_monitor, tmp_path):
     """Step 2's state dict is committed; its full checkpoint's unit still runs when a losing
@@ -338,21 +363,12 @@ def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fe
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    weights = f"{coord.step_dir(2)}/weights.bin"
-    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
-    coord.register(2, checkpoint_thread_count=1)
-    admitted, go = threading.Event(), threading.Event()
 
-    def replace_then_fail() -> None:
-        admitted.set()
-        go.wait(DEADLINE_S)
+    def replace_then_fail(weights: str) -> None:
         replace_same_size(weights)
         raise OSError("disk full after replacing weights.bin")
 
-    coord.save_async("optimizer", replace_then_fail, 2)
-    assert admitted.wait(DEADLINE_S)
-    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
-    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, replace_then_fail)
     loser = open_attempt(storage, "a-racing-job", None)
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
@@ -380,20 +396,7 @@ def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_mo
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    weights = f"{coord.step_dir(2)}/weights.bin"
-    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
-    coord.register(2, checkpoint_thread_count=1)
-    admitted, go = threading.Event(), threading.Event()
-
-    def rewrite() -> None:  # reported as a finished unit's file
-        admitted.set()
-        go.wait(DEADLINE_S)
-        write_file(weights, os.urandom(4096))
-
-    coord.save_async("optimizer", rewrite, 2)
-    assert admitted.wait(DEADLINE_S)
-    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
-    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)  # reported as a finished unit's file
     loser = open_attempt(storage, "a-racing-job", None)
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
@@ -473,13 +476,7 @@ def test_a_withdrawal_checks_the_fence_after_finding_the_step_not_before(make_mo
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    weights = f"{coord.step_dir(2)}/weights.bin"
-    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
-    coord.register(2, checkpoint_thread_count=1)
-    go = threading.Event()
-    coord.save_async("optimizer", lambda: (go.wait(DEADLINE_S), write_file(weights, os.urandom(4096)))[1], 2)
-    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), 2, is_state_dict=True)
-    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)
     manifest = os.path.join(coord.step_dir(2), MANIFESTS[SD])
     gate = str(tmp_path / "gate")
     arm_in_monitor(monitor, "before_revoke", f"until:{DEADLINE_S:g}:{gate}")

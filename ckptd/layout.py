@@ -229,13 +229,20 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
     return newest_committed(Storage(root, storage_options), parse_kind(kind))
 
 
-def newest_committed(storage: Storage, kind: Kind) -> int | None:
+def newest_committed(storage: Storage, kind: Kind, without: tuple[int, Kind] | None = None) -> int | None:
     """:func:`latest_step` on an open :class:`Storage`: the tracker, if its step is committed,
-    else the newest step with a manifest."""
+    else the newest step with a manifest.
+
+    ``without=(step, k)``: as it will be once the manifest of kind ``k`` of ``step`` is gone (a
+    withdrawal points the tracker back before it removes the manifest)."""
+
+    def counts(step: int, kinds: frozenset[Kind]) -> bool:
+        return _counts_as(kinds - {without[1]} if without is not None and step == without[0] else kinds, kind)
+
     tracked = read_tracker(storage, kind)
-    if tracked is not None and is_committed(storage, tracked, kind):
+    if tracked is not None and counts(tracked, manifests_of(storage, tracked)):
         return tracked
-    steps = committed_steps(storage, kind)
+    steps = sorted(s for s, e in scan_steps(storage).items() if counts(s, e.kinds))
     return steps[-1] if steps else None
 
 

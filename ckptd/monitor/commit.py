@@ -325,20 +325,25 @@ class Committer:
         return text is not None and reg_id in (Manifest.model_validate_json(text).registrations or [])
 
     def revoke(self, step: int, kind: Kind) -> int | None:
-        """Take back a commit whose files changed: remove the manifest, then point the tracker
-        of ``kind`` at the newest step still committed (or remove it). Returns that step."""
+        """Take back a commit whose files changed: point the tracker of ``kind`` at the newest
+        step that stays committed (or remove it), then remove the manifest. Returns that step.
+
+        The tracker moves first, so that a withdrawal cut short in between (fenced, or the
+        monitor gone) leaves a tracker naming a committed step, never one without a manifest;
+        the manifest left behind is withdrawn again by the retry, a restart or the next job."""
         check_fence(self.storage, self.attempt)  # first too: a retried withdrawal ends on it
         failpoints.hit("before_revoke")
-        name = find_step_dir(self.storage, step, self.template)
-        check_fence(self.storage, self.attempt)  # and last, as before a rename: the lookup lists
-        if name is not None:
-            self.storage.rm(self.storage.join(name, MANIFESTS[kind]))
-        newest = newest_committed(self.storage, kind)
+        newest = newest_committed(self.storage, kind, without=(step, kind))
         if read_tracker(self.storage, kind) != newest:
             if newest is None:
                 self.remove_tracker(kind)
             else:
                 self.write_tracker(kind, newest)
+        failpoints.hit("before_revoke_rm")
+        name = find_step_dir(self.storage, step, self.template)
+        check_fence(self.storage, self.attempt)  # and last, as before a rename: the lookup lists
+        if name is not None:
+            self.storage.rm(self.storage.join(name, MANIFESTS[kind]))
         return newest
 
     def remove_tracker(self, kind: Kind) -> None:

@@ -493,3 +493,28 @@ def test_a_withdrawal_checks_the_fence_after_finding_the_step_not_before(make_mo
     with open(manifest, "rb") as f:
         assert f.read() == published
     coord.close()
+
+
+def test_a_withdrawal_fenced_halfway_leaves_the_tracker_on_a_committed_step(make_monitor, tmp_path):
+    """State dict 2 is withdrawn (a unit reported rewriting its file) and a losing
+    ``start_monitor``'s attempt appears halfway through. The withdrawal removed the manifest
+    first, so the tracker was left naming step 2, without a manifest and with the replaced file,
+    until the fence was lifted; it now points the tracker back first: cut short there, the tracker
+    names step 1, which verifies, and step 2's manifest goes once the fence is lifted."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)
+    assert tracker_of(root, SD) == 2
+    loser = _losing_attempt_at(monitor, "before_revoke_rm", storage, tmp_path, go.set)
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_all()
+    assert tracker_of(root, SD) == 1 and read_manifest(root, 2, SD) is not None
+    assert_trackers_verified(root)
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: read_manifest(root, 2, SD) is None, 3 * FENCE_CHECK_S + 5, "the withdrawal done after the lift")
+    assert tracker_of(root, SD) == 1
+    assert_trackers_verified(root)
+    coord.close()

@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from ckptd import failpoints
 from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.fencing import AttemptRecord, current_attempt, list_attempts, read_attempt
@@ -94,7 +95,15 @@ def start_monitor(
             check_writable(mirror, probe.writer)
             record_template(mirror, template)
         record_template(storage, template)
+        failpoints.hit("before_open_attempt")
         attempt = open_attempt(storage, run, namespace)
+        # A monitor that came alive since the check above wins: refused now, before its actor
+        # starts, this call's attempt fences it for milliseconds, not for the seconds an actor
+        # takes to be scheduled (two fence checks in a row would make that fence final).
+        rival = _rival(storage, attempt, takeover)
+        if rival is not None:
+            raise _lost_race(storage, rival)
+        failpoints.hit("before_monitor_actor")
         handle = _create_actor(root_url, run, namespace, storage_options, mirror_storage_options,
                                runtime_env, opts, attempt.attempt)
         result = ray.get(handle.check_shared_root.remote(probe.rel, probe.token, probe.writer))
@@ -106,32 +115,46 @@ def start_monitor(
     if result["error"] is not None:
         _undo(storage, handle, attempt, fresh)
         raise CheckpointConfigError(result["error"])
-    # Two start_monitor calls that raced past the live-monitor check: the newer attempt wins only
-    # if no older one came alive meanwhile; a loser takes back what it wrote.
+    rival = _rival(storage, attempt, takeover)
+    if rival is not None:
+        _undo(storage, handle, attempt, [])
+        raise _lost_race(storage, rival)
+    return handle
+
+
+def _rival(storage: Storage, attempt: AttemptRecord, takeover: bool) -> AttemptRecord | None:
+    """Two start_monitor calls that raced past the live-monitor check: the newer attempt wins only
+    if no older one came alive meanwhile. The attempt this call lost to, or None."""
     older = [n for n in list_attempts(storage) if n < attempt.attempt]
     previous = read_attempt(storage, older[-1]) if older else None
     newest = current_attempt(storage)
-    rival = newest if newest is not None and newest.attempt != attempt.attempt else None
-    if rival is None and previous is not None and not takeover and _live_monitor_of(previous) is not None:
-        rival = previous
-    if rival is not None:
-        _undo(storage, handle, attempt, [])
-        raise CheckpointConfigError(
-            f"another start_monitor opened attempt {rival.attempt} of {storage.url!r} (run {rival.run!r}) "
-            "while this one was starting; one job per root. Attach to it with ckptd.get_monitor"
-        )
-    return handle
+    if newest is not None and newest.attempt != attempt.attempt:
+        return newest
+    if previous is not None and not takeover and _live_monitor_of(previous) is not None:
+        return previous
+    return None
+
+
+def _lost_race(storage: Storage, rival: AttemptRecord) -> CheckpointConfigError:
+    """The error of a start_monitor that lost the race; the caller has taken back its attempt."""
+    return CheckpointConfigError(
+        f"another start_monitor opened attempt {rival.attempt} of {storage.url!r} (run {rival.run!r}) "
+        "while this one was starting; one job per root. Attach to it with ckptd.get_monitor"
+    )
 
 
 def _undo(storage: Storage, handle: Any, attempt: AttemptRecord | None, fresh: list[Storage]) -> None:
     """Take back what a refused start_monitor wrote: its actor, its attempt, and the ``.ckptd``
-    directory of a root or mirror that had none before."""
+    directory of a root or mirror that had none before, unless another start_monitor has
+    opened an attempt in the root since (its ledger directory, and its mirror's, stay)."""
     if handle is not None:
         ray.kill(handle, no_restart=True)
     try:
         if attempt is not None:
             storage.rm(storage.join(LEDGER_DIR, "attempts", f"{attempt.attempt}.json"))
             storage.rm(storage.join(LEDGER_DIR, "attempts", f"{attempt.attempt}.started"))
+        if fresh and list_attempts(storage):
+            fresh = []
         for s in fresh:
             s.rm(s.join(LEDGER_DIR))
     except OSError as e:

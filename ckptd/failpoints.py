@@ -52,6 +52,7 @@ FAILPOINTS: dict[str, str] = {
     "before_step_delete": "monitor: retention is about to delete a step directory",
     "after_mirror_file": "monitor: one file of a step was uploaded to the mirror and verified",
     "before_mirror_manifest": "monitor: every file of a step is on the mirror, before its manifest",
+    "before_mirror_publish": "monitor: a manifest or tracker is about to be written to the mirror (each try)",
 }
 ACTIONS = ("raise", "crash")
 ENV_VAR = "CKPTD_FAILPOINTS"

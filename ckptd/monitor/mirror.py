@@ -264,7 +264,7 @@ class Mirror:
             await self._io(failpoints.hit, "before_mirror_manifest")
             await self._io(self._check_fence)
             for kind, data in manifests.items():  # the manifest makes the step committed on the mirror
-                await self._io(self._retrying, f"manifest of step {step}", self.remote.write_atomic,
+                await self._io(self._retrying, f"manifest of step {step}", self._publish,
                                self.remote.join(name, MANIFESTS[kind]), data)
             await self._advance_trackers(step, set(manifests))
         except FencedError as e:
@@ -322,7 +322,7 @@ class Mirror:
             current = self._trackers[kind]
             if current is not None and step <= current:
                 continue
-            await self._io(self._retrying, f"{kind.value} tracker", self.remote.write_atomic,
+            await self._io(self._retrying, f"{kind.value} tracker", self._publish,
                            self.remote.join(TRACKERS[kind]), f"{step}\n".encode())
             self._trackers[kind] = step
 
@@ -397,11 +397,18 @@ class Mirror:
         if problem:
             raise OSError(f"the mirror's copy of {dst} is {problem}")
 
+    def _publish(self, path: str, data: bytes) -> None:
+        """A manifest or tracker onto the mirror, if this monitor's attempt is still the newest:
+        checked at the last moment of each try, as the root's publishes are (a try retried for
+        seconds must not publish over a newer job that started meanwhile)."""
+        failpoints.hit("before_mirror_publish")
+        self.remote.write_atomic(path, data, before_publish=self._check_fence)
+
     def _retrying(self, what: str, fn: Callable, *args: Any) -> Any:
         for attempt in range(self._opts.retries + 1):
             try:
                 return fn(*args)
-            except LocalCopyError:
+            except (LocalCopyError, FencedError):
                 raise
             except Exception as e:
                 if attempt == self._opts.retries:

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import ckptd
-from ckptd.layout import LEDGER_DIR, MANIFESTS
+from ckptd.layout import LEDGER_DIR, MANIFESTS, TRACKERS
 from ckptd.monitor.attempts import open_attempt
 from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
@@ -303,6 +303,43 @@ def test_a_fence_that_the_mirrors_upload_ran_into_is_lifted_once_the_losing_atte
              "the mirror's fence lifted")
     coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert tracker_of(mirror, CKPT) == 2 and ray.get(monitor.status.remote()).fenced is None
+    coord.close()
+
+
+def test_a_mirror_write_retried_past_a_newer_jobs_start_does_not_publish(make_monitor, tmp_path):
+    """Step 5's upload passes its fence check before its manifest, whose write the mirror then
+    refuses for a while (retried). Meanwhile a newer job starts on the root and mirrors its own
+    step 5 and 6. The retried manifest write, and the tracker write after it, checked the fence
+    only once, before the first try: the old monitor replaced the newer job's manifest and moved
+    the mirror's tracker back to 5. Each try checks it now. Found by a helper's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "retries": 200, "retry_backoff_s": 0.05})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 4, "model.bin", is_state_dict=False)
+    coord.wait_mirrored(4, timeout_s=DEADLINE_S)
+    held, refused = str(tmp_path / "held"), str(tmp_path / "refused")
+    arm_in_monitor(monitor, "before_mirror_manifest", f"until:{DEADLINE_S:g}:{held}")
+    commit_one(coord, 5, "model.bin", is_state_dict=False)
+    wait_for(lambda: held_at(monitor, "before_mirror_manifest"), DEADLINE_S, "step 5's upload before its manifest")
+    arm_in_monitor(monitor, "before_mirror_publish", f"raise_until:{refused}")
+    arm_in_monitor(monitor, "before_mirror_manifest", None)
+    tries = ray.get(monitor.__ray_call__.remote(lambda self: self._mirror._retried))
+    open(held, "w").close()  # the fence check passes: no newer attempt yet
+    wait_for(lambda: ray.get(monitor.__ray_call__.remote(lambda self: self._mirror._retried)) > tries, DEADLINE_S,
+             "the manifest's write refused and retried")
+    open_attempt(Storage(root), "the-next-job", None)
+    newer = b"the newer job's manifest of its step 5"
+    manifest = os.path.join(mirror, "global_step_5", MANIFESTS[CKPT])
+    Storage(mirror).write_atomic(manifest, newer)
+    Storage(mirror).write_atomic(os.path.join(mirror, TRACKERS[CKPT]), b"6\n")
+    open(refused, "w").close()
+    with pytest.raises(ckptd.CheckpointError, match="superseded"):
+        coord.wait_mirrored(5, timeout_s=DEADLINE_S)
+    assert "superseded" in ray.get(monitor.status.remote()).mirror.fenced
+    with open(manifest, "rb") as f:
+        assert f.read() == newer
+    assert tracker_of(mirror, CKPT) == 6
+    arm_in_monitor(monitor, "before_mirror_publish", None)
     coord.close()
 
 

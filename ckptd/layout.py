@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.config import Kind
@@ -185,6 +186,10 @@ def read_tracker(storage: Storage, kind: Kind) -> int | None:
     return parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[kind])))
 
 
+#: ``(step, kinds of the manifests storage shows) -> the kinds to count``.
+Trusted = Callable[[int, frozenset[Kind]], frozenset[Kind]]
+
+
 def _counts_as(kinds: frozenset[Kind], kind: Kind) -> bool:
     # A full checkpoint holds the weights too, so it also counts as a state dict.
     return Kind.CHECKPOINT in kinds or (kind is Kind.STATE_DICT and Kind.STATE_DICT in kinds)
@@ -229,15 +234,16 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
     return newest_committed(Storage(root, storage_options), parse_kind(kind))
 
 
-def newest_committed(storage: Storage, kind: Kind, without: tuple[int, Kind] | None = None) -> int | None:
+def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = None) -> int | None:
     """:func:`latest_step` on an open :class:`Storage`: the tracker, if its step is committed,
     else the newest step with a manifest.
 
-    ``without=(step, k)``: as it will be once the manifest of kind ``k`` of ``step`` is gone (a
-    withdrawal points the tracker back before it removes the manifest)."""
+    ``trusted(step, kinds)``: of the manifests storage shows for ``step``, the kinds to count (a
+    monitor leaves out a commit still in flight, a step being deleted, a manifest it is about to
+    withdraw)."""
 
     def counts(step: int, kinds: frozenset[Kind]) -> bool:
-        return _counts_as(kinds - {without[1]} if without is not None and step == without[0] else kinds, kind)
+        return _counts_as(kinds if trusted is None else trusted(step, kinds), kind)
 
     tracked = read_tracker(storage, kind)
     if tracked is not None and counts(tracked, manifests_of(storage, tracked)):

@@ -36,6 +36,7 @@ class DeletionClaims:
     def __init__(self, may_delete: Callable[[StepEntry], bool]) -> None:
         self._may_delete = may_delete
         self.deleting: dict[int, asyncio.Event] = {}  # claimed steps; each event is set on release
+        self.committed: set[int] = set()  # those of them with a manifest
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -64,6 +65,19 @@ class DeletionClaims:
                 self.release(entry.step)
             raise
 
+    def confirm(self, entry: StepEntry) -> bool:
+        """From the pass's thread, for a step it claimed, right before the deletion: whether it
+        may still be deleted (a withdrawal that began since the claim may need it kept).
+
+        Raises:
+            TimeoutError: the event loop did not answer in time (the step is kept).
+        """
+
+        async def on_loop() -> bool:
+            return self._may_delete(entry)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(LOOP_CALL_TIMEOUT_S)
+
     def release(self, step: int) -> None:
         """From the pass's thread: the deletion of ``step`` is over (done or not). Never blocks."""
         self._loop.call_soon_threadsafe(self._release, step)
@@ -76,9 +90,12 @@ class DeletionClaims:
                 return False
             ticket.claimed = True
         self.deleting[entry.step] = asyncio.Event()
+        if entry.committed:
+            self.committed.add(entry.step)
         return True
 
     def _release(self, step: int) -> None:
         event = self.deleting.pop(step, None)
+        self.committed.discard(step)
         if event is not None:
             event.set()

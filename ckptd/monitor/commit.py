@@ -28,7 +28,7 @@ from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError, check_fence
-from ckptd.layout import MANIFESTS, TRACKERS, find_step_dir, is_committed, newest_committed, read_tracker
+from ckptd.layout import MANIFESTS, TRACKERS, Trusted, find_step_dir, is_committed, newest_committed, read_tracker
 from ckptd.manifest import FileEntry, Manifest, build_manifest, changed_files, crc32_file, is_internal
 from ckptd.storage import FileStat, Storage
 from ckptd.template import StepDirTemplate
@@ -324,16 +324,22 @@ class Committer:
             self.storage.join(name, MANIFESTS[Kind.CHECKPOINT]))
         return text is not None and reg_id in (Manifest.model_validate_json(text).registrations or [])
 
-    def revoke(self, step: int, kind: Kind) -> int | None:
+    def revoke(self, step: int, kind: Kind, trusted: Trusted | None = None) -> int | None:
         """Take back a commit whose files changed: point the tracker of ``kind`` at the newest
         step that stays committed (or remove it), then remove the manifest. Returns that step.
 
         The tracker moves first, so that a withdrawal cut short in between (fenced, or the
         monitor gone) leaves a tracker naming a committed step, never one without a manifest;
-        the manifest left behind is withdrawn again by the retry, a restart or the next job."""
+        the manifest left behind is withdrawn again by the retry, a restart or the next job.
+        ``trusted``: which manifests the tracker may fall back to (:func:`newest_committed`)."""
         check_fence(self.storage, self.attempt)  # first too: a retried withdrawal ends on it
         failpoints.hit("before_revoke")
-        newest = newest_committed(self.storage, kind, without=(step, kind))
+
+        def staying(s: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
+            kinds = kinds if trusted is None else trusted(s, kinds)
+            return kinds - {kind} if s == step else kinds
+
+        newest = newest_committed(self.storage, kind, staying)
         if read_tracker(self.storage, kind) != newest:
             if newest is None:
                 self.remove_tracker(kind)

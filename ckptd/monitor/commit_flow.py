@@ -358,15 +358,32 @@ class CommitFlow:
         self._ledger.fail_kind(rec, SD, reason, force=True)
         await self._after_change(rec)
 
+    def _trusted_manifests(self, step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
+        """Of the manifests storage shows for ``step``, those a tracker may fall back to: not a
+        step retention is deleting, nor a kind whose commit is still in flight (an uncertain
+        publish may yet be taken back) or failed, nor a state dict being withdrawn. Runs in the
+        I/O threads: it only looks up (no iteration over what the event loop changes)."""
+        if step in self._retention.claims.deleting:
+            return frozenset()
+        rec = self._ledger.get(step)
+        return frozenset(k for k in kinds if self._ledger.state_of(step, k) in (StepState.COMMITTED, None)
+                         and not (k is SD and rec is not None and (rec[SD].withdrawing or rec[SD].checks)))
+
     async def _withdraw_manifest(self, rec: StepRecord) -> bool:
         """Remove the state dict's manifest of ``rec`` and point its tracker back; False if a
         newer attempt on the root refused it (fenced)."""
         tries = 0
         while True:
+            # A committed step retention claimed before this withdrawal began may be on its way
+            # to the trash: let those deletions end (done or not), so the step the tracker falls
+            # back to is one that stays.
+            claims = self._retention.claims
+            for deleting in [claims.deleting[s] for s in claims.committed if s in claims.deleting]:
+                await deleting.wait()
             try:
                 async with self._tracker_lock:
                     before = self._trackers[SD]
-                    newest = await self._in_thread(self._committer.revoke, rec.step, SD)
+                    newest = await self._in_thread(self._committer.revoke, rec.step, SD, self._trusted_manifests)
                     self._trackers[SD] = newest
                     if newest is not None and (before is None or newest > before):
                         self._published(SD, newest)  # a commit that found the tracker ahead of it

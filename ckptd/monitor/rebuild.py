@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, StepEntry, scan_steps
+from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
@@ -82,10 +82,11 @@ def _newest(scanned: dict[int, StepEntry]) -> dict[Kind, int]:
 
 
 def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer, ledger: StepLedger,
-                    trackers: dict[Kind, int | None]) -> None:
+                    trackers: dict[Kind, int | None], trusted: Trusted) -> None:
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
-    not (fenced then)."""
-    _repair_trackers(committer, ledger, _newest(scan_steps(storage, template)), trackers)
+    not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
+    scanned = {s: StepEntry(s, e.name, trusted(s, e.kinds)) for s, e in scan_steps(storage, template).items()}
+    _repair_trackers(committer, ledger, _newest(scanned), trackers)
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],

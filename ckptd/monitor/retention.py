@@ -111,9 +111,15 @@ def plan_retention(
 TRASH = ".ckptd/trash"
 
 
-def delete_step(storage: Storage, entry: StepEntry, fence: Callable[[], None] | None = None) -> str | None:
-    """Delete a step directory. Raises if the step is still in place; returns what went wrong
-    after it left the root (it stays in the trash, emptied again at the next pass), else None.
+class StepKept(Exception):
+    """The last look before a deletion found that the step must stay (see :func:`delete_step`)."""
+
+
+def delete_step(storage: Storage, entry: StepEntry, fence: Callable[[], None] | None = None,
+                confirm: Callable[[StepEntry], bool] | None = None) -> str | None:
+    """Delete a step directory. Raises if the step is still in place (:class:`StepKept` if
+    ``confirm(entry)``, the last look, says it must stay); returns what went wrong after it left
+    the root (it stays in the trash, emptied again at the next pass), else None.
 
     POSIX: the directory is first renamed into ``.ckptd/trash`` (one atomic step: readers, and a
     monitor killed part-way, see the step whole or not at all), then removed. Elsewhere: manifests
@@ -122,6 +128,8 @@ def delete_step(storage: Storage, entry: StepEntry, fence: Callable[[], None] | 
     failpoints.hit("before_step_delete")
     if fence is not None:  # at the last moment, as a publish does: a stall before here is covered
         fence()
+    if confirm is not None and not confirm(entry):
+        raise StepKept(entry.name)
     path = storage.join(entry.name)
     if storage.is_posix:
         trash = storage.join(TRASH)
@@ -185,13 +193,15 @@ class PassResult:
 def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
              before_delete: Callable[[StepEntry], None] | None = None,
              claim: Callable[[StepEntry], bool] | None = None, unclaim: Callable[[StepEntry], None] | None = None,
-             fence: Callable[[], None] | None = None) -> PassResult:
+             fence: Callable[[], None] | None = None,
+             confirm: Callable[[StepEntry], bool] | None = None) -> PassResult:
     """Carry out a plan. A deletion that fails is logged and left for the next pass (which sees
     the step again in storage); it never stops the deletions after it. ``before_delete`` runs
     before each committed step is deleted. ``claim(entry)`` is asked first for each step: False
-    keeps it (in flight now, or a reader holds it); ``unclaim(entry)`` follows a claimed
-    deletion, done or not. ``fence()`` runs right before each deletion: the FencedError it
-    raises ends the pass."""
+    keeps it (in flight now, or a reader holds it); ``confirm(entry)`` is asked again right
+    before the deletion, after ``before_delete`` (False keeps it); ``unclaim(entry)`` follows a
+    claimed deletion, done or not. ``fence()`` runs right before each deletion: the FencedError
+    it raises ends the pass."""
     result = PassResult()
     todo = plan.delete + plan.leftovers_failed
     for entry in plan.leftovers_idle:
@@ -209,13 +219,15 @@ def run_plan(storage: Storage, plan: RetentionPlan, grace_s: float,
                 fence()
             if before_delete is not None and entry.committed:
                 before_delete(entry)
-            leftover = delete_step(storage, entry, fence)
+            leftover = delete_step(storage, entry, fence, confirm)
             result.deleted.append(entry.step)
             if leftover is not None:
                 log.warning("%s; retrying at the next pass", leftover)
                 result.errors.append(leftover)
         except FencedError:
             raise
+        except StepKept:
+            pass  # needed since the claim: the next pass sees it again
         except Exception as e:  # best-effort clean-up: retried on the next pass
             msg = f"could not delete {entry.name}: {type(e).__name__}: {e}"
             log.warning("%s; retrying after the next commit", msg)

@@ -175,8 +175,14 @@ class RetentionRunner:
                 readers.deleted(entry.step)
             self.claims.release(entry.step)
 
+        def confirm(entry: StepEntry) -> bool:
+            # A committed step looks again right before its deletion: a withdrawal that began since
+            # the claim may need it kept. One with a failed kind has its deletion marked already
+            # (before_delete): it goes, as its claim decided.
+            return entry.step in failed or self.claims.confirm(entry)
+
         result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
-                          claim=claim, unclaim=unclaim, fence=self._check_fence)
+                          claim=claim, unclaim=unclaim, fence=self._check_fence, confirm=confirm)
         if trash_error is not None:
             result.errors.insert(0, trash_error)
         return result

@@ -1,0 +1,125 @@
+"""Where a withdrawn state dict's tracker falls back to. A withdrawal points the state-dict tracker
+at the newest step that stays committed; it used to take any manifest storage showed: one whose
+commit was still settling an uncertain publish (which may be taken back), and one of a step
+retention had claimed and was about to delete. Retention, for its part, decided at its claim
+whether a withdrawal left it too few state dicts, and not again before the deletion. Found by
+helper-50's attack (session 34)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import ray
+
+import ckptd
+
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    commit_one,
+    held_at,
+    read_manifest,
+    tracker_of,
+    wait_for,
+    write_file,
+)
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+DEADLINE_S = 60.0
+SD = ckptd.Kind.STATE_DICT
+
+
+def _state_dict_with_a_checkpoint_unit_held(coord, step: int) -> threading.Event:
+    """State dict ``step`` committed while a unit of its full checkpoint is held; setting the
+    event returned lets the unit rewrite the state dict's file, which withdraws it."""
+    weights = f"{coord.step_dir(step)}/weights.bin"
+    coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+    coord.register(step, checkpoint_thread_count=1)
+    admitted, go = threading.Event(), threading.Event()
+
+    def unit():
+        admitted.set()
+        go.wait(DEADLINE_S)
+        return write_file(weights, os.urandom(4096))
+
+    coord.save_async(f"optimizer-{step}", unit, step)
+    assert admitted.wait(DEADLINE_S)
+    coord.save_sync(lambda: write_file(weights, os.urandom(4096)), step, is_state_dict=True)
+    coord.wait_committed(step, is_state_dict=True, timeout_s=DEADLINE_S)
+    return go
+
+
+def test_a_withdrawal_does_not_fall_back_to_a_manifest_whose_publish_is_being_settled(make_monitor, tmp_path):
+    """State dict 2's manifest is renamed into place but its publish raised: the commit is settling
+    it (held), and may yet take it back. State dict 1 is withdrawn meanwhile: its tracker must not
+    name step 2 (nor announce it) until that commit is settled."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    go = _state_dict_with_a_checkpoint_unit_held(coord, 1)
+    gate = str(tmp_path / "settle")
+    arm_in_monitor(monitor, "after_publish", "raise")
+    arm_in_monitor(monitor, "settle_sync", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+        coord.save_async("weights", lambda: write_file(f"{coord.step_dir(2)}/weights.bin", os.urandom(64)), 2,
+                         is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "settle_sync"), DEADLINE_S, "step 2's uncertain publish being settled")
+        arm_in_monitor(monitor, "after_publish", None)
+        assert read_manifest(root, 2, SD) is not None
+        go.set()
+        wait_for(lambda: read_manifest(root, 1, SD) is None, DEADLINE_S, "state dict 1 withdrawn")
+        assert tracker_of(root, SD) is None  # no state dict is settled as committed
+        assert ray.get(monitor.wait_version.remote("state_dict", 1, 0.5))["version"] != 2
+    finally:
+        arm_in_monitor(monitor, "settle_sync", None)
+        open(gate, "w").close()
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)  # settled: durable after all
+    assert tracker_of(root, SD) == 2
+    assert_trackers_verified(root)
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_all()
+    coord.close()
+
+
+@pytest.mark.parametrize("withdrawn", [[3], [2, 3]], ids=["the-newest", "both-kept-ones"])
+def test_a_withdrawal_while_retention_deletes_an_older_state_dict_keeps_it(make_monitor, tmp_path, withdrawn):
+    """Two state dicts are kept. 1, 2 and 3 are committed; the pass after 3 claims step 1 and is
+    held right before deleting it. Then the state dicts ``withdrawn`` are withdrawn (their full
+    checkpoints' units rewrite them). Step 1 must stay, one of the two newest state dicts left,
+    and the tracker must name a step that is still there (it named step 1, deleted after)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    held: dict[int, threading.Event] = {}
+    if 2 in withdrawn:
+        held[2] = _state_dict_with_a_checkpoint_unit_held(coord, 2)
+    else:
+        commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_step_delete", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        held[3] = _state_dict_with_a_checkpoint_unit_held(coord, 3)
+        wait_for(lambda: held_at(monitor, "before_step_delete"), DEADLINE_S, "retention about to delete step 1")
+        arm_in_monitor(monitor, "before_step_delete", None)
+        for step in withdrawn:
+            held[step].set()
+        # One worker's reports are answered in turn: the first withdrawal holds the second's back.
+        wait_for(lambda: any(read_manifest(root, s, SD) is None for s in withdrawn) or ray.get(
+            monitor.__ray_call__.remote(lambda self: bool(set(withdrawn) & self._ledger.withdrawing_steps()))),
+            DEADLINE_S, "a withdrawal begun")
+    finally:
+        open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
+    wait_for(lambda: all(read_manifest(root, s, SD) is None for s in withdrawn), DEADLINE_S, "the withdrawals done")
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    assert read_manifest(root, 1, SD) is not None, "retention deleted a state dict it had to keep"
+    assert tracker_of(root, SD) == (1 if 2 in withdrawn else 2)
+    assert_trackers_verified(root)
+    coord.close()

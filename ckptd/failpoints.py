@@ -43,6 +43,7 @@ FAILPOINTS: dict[str, str] = {
     "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
     "after_publish": "monitor: a manifest or tracker was published, then its publish raised (outcome uncertain)",
     "settle_sync": "monitor: settling an uncertain publish found it on storage, before syncing it again",
+    "settle_remove": "monitor: settling an uncertain publish could not sync it, before taking it back",
     "before_failure_record": "monitor: a step failed, before its failure record is written",
     "before_revoke": "monitor: a committed state dict whose files changed is withdrawn, before its tracker moves back",
     "before_revoke_rm": "monitor: a withdrawal pointed the tracker back, before the manifest goes",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -39,6 +40,9 @@ OUTSIDE_UNITS = "(written outside save units)"
 # Files reported from which a step is walked outside the monitor's process (ckptd.walk): below,
 # starting that process costs more than the walk.
 LARGE_STEP = 2000
+#: Backoff between tries to settle a publish that raised, while storage refuses both the sync and the removal.
+_SETTLE_BACKOFF_S = 0.1
+_SETTLE_MAX_BACKOFF_S = 30.0
 
 
 class CommitCheckError(CheckpointError):
@@ -386,19 +390,44 @@ class Committer:
         except Exception as e:
             # The rename (or PUT) may have happened before the error (a failed directory fsync,
             # a lost response): settle it by reading storage, before anyone is told anything.
-            try:
-                published = self.storage.read_bytes(path) == data
-            except Exception:
-                published = False
-            if not published:
+            if not self._settle(path, data, e):
                 raise
-            log.warning("publishing %s raised %s: %s, but it is on storage; syncing again", path,
-                        type(e).__name__, e)
+
+    def _settle(self, path: str, data: bytes, error: Exception) -> bool:
+        """After a publish of ``data`` at ``path`` raised ``error``: True once it is on storage
+        and durable, False once it is not there (never published, or taken back).
+
+        Visible but not durable, it is taken back, so that what readers see is what a crash
+        would leave. Until one or the other succeeds (storage refusing both the sync and the
+        removal) this keeps trying, however long that takes: a failure reported with the
+        manifest still visible would commit the step for every reader, and for a restarted
+        monitor, after its callers heard it failed."""
+        tries = 0
+        while True:
+            try:
+                if self.storage.read_bytes(path) != data:
+                    return False
+            except FileNotFoundError:
+                return False
+            except Exception as e:  # unknown: a sync or a removal settles it
+                log.warning("could not read back %s after its publish raised: %s: %s", path, type(e).__name__, e)
+            else:
+                log.warning("publishing %s raised %s: %s, but it is on storage; syncing again", path,
+                            type(error).__name__, error)
             try:
                 failpoints.hit("settle_sync")
                 self.storage.make_durable([path])
-            except Exception:
-                # Visible but maybe not durable: take it back, so that what readers see now is
-                # what a crash would leave, and report the failure.
+                return True
+            except Exception as e:
+                log.warning("could not sync %s after its publish raised (%s: %s): taking it back", path,
+                            type(e).__name__, e)
+            try:
+                failpoints.hit("settle_remove")
                 self.storage.rm(path)
-                raise e from None
+                return False
+            except Exception as e:
+                tries += 1
+                delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_MAX_BACKOFF_S)
+                log.error("%s may be visible but not durable, and could not be removed (%s: %s): trying again in "
+                          "%.1f s (try %d)", path, type(e).__name__, e, delay, tries)
+                time.sleep(delay)

@@ -441,6 +441,48 @@ def test_an_uncertain_publish_that_cannot_be_made_durable_is_taken_back_and_fail
     assert tracker(root) is None and ckptd.latest_step(root) is None
 
 
+@pytest.mark.parametrize("storage_recovers_with", ["the sync", "the removal"])
+def test_an_uncertain_publish_is_not_reported_while_storage_refuses_both_sync_and_removal(
+        make_monitor, tmp_path, storage_recovers_with):
+    """The manifest is visible, and storage refuses both syncing it and removing it for a while.
+    The commit failed with the manifest still there: readers, and a restarted monitor, saw the
+    step committed after its callers heard it failed. It now keeps trying until one of the two
+    succeeds, and reports what storage then holds. Found by helper-50's attack (session 34)."""
+    from .helpers import arm_in_monitor
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    sync_ok, rm_ok = tmp_path / "sync-ok", tmp_path / "rm-ok"
+    arm_in_monitor(monitor, "after_publish", "raise")
+    arm_in_monitor(monitor, "settle_sync", f"raise_until:{sync_ok}")
+    arm_in_monitor(monitor, "settle_remove", f"raise_until:{rm_ok}")
+    manifest = f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}"
+    try:
+        coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
+        coord.register(1, checkpoint_thread_count=1)
+        wait_for(lambda: os.path.exists(manifest), 30, "the manifest renamed into place")
+        with pytest.raises(TimeoutError):  # neither committed nor failed yet
+            coord.wait_committed(1, timeout_s=2)
+        assert os.path.exists(manifest)
+        arm_in_monitor(monitor, "after_publish", None)  # the tracker's publish goes through
+        (sync_ok if storage_recovers_with == "the sync" else rm_ok).touch()
+        if storage_recovers_with == "the sync":
+            coord.wait_committed(1, timeout_s=30)
+            assert tracker(root) == 1
+            ckptd.verify(root, 1)
+        else:
+            with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
+                coord.wait_committed(1, timeout_s=30)
+            assert not os.path.exists(manifest) and tracker(root) is None
+    finally:
+        sync_ok.touch()
+        rm_ok.touch()
+        for name in ("after_publish", "settle_sync", "settle_remove"):
+            arm_in_monitor(monitor, name, None)
+    wait_all(coord)
+
+
 # -- early signals -------------------------------------------------------------------------------
 
 

@@ -361,13 +361,15 @@ class CommitFlow:
     def _trusted_manifests(self, step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
         """Of the manifests storage shows for ``step``, those a tracker may fall back to: not a
         step retention is deleting, nor a kind whose commit is still in flight (an uncertain
-        publish may yet be taken back) or failed, nor a state dict being withdrawn. Runs in the
-        I/O threads: it only looks up (no iteration over what the event loop changes)."""
+        publish may yet be taken back) or failed, nor a state dict being withdrawn. (One being
+        checked against storage counts, as it does while the tracker names it: leaving it out
+        would leave the tracker behind it once the check finds it intact.) Runs in the I/O
+        threads: it only looks up (no iteration over what the event loop changes)."""
         if step in self._retention.claims.deleting:
             return frozenset()
         rec = self._ledger.get(step)
         return frozenset(k for k in kinds if self._ledger.state_of(step, k) in (StepState.COMMITTED, None)
-                         and not (k is SD and rec is not None and (rec[SD].withdrawing or rec[SD].checks)))
+                         and not (k is SD and rec is not None and rec[SD].withdrawing))
 
     async def _withdraw_manifest(self, rec: StepRecord) -> bool:
         """Remove the state dict's manifest of ``rec`` and point its tracker back; False if a

@@ -681,17 +681,20 @@ def step_dirs(root: str) -> set[int]:
     return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
 
 
+def held_here(name: str) -> bool:
+    """Whether a thread of this process waits in failpoint ``name``."""
+    import sys
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
+                return True
+            frame = frame.f_back
+    return False
+
+
 def held_at(monitor, name: str) -> bool:
     """Whether a thread of the monitor's process waits in failpoint ``name``."""
-    def look(_self, name=name):
-        import sys
-        for frame in sys._current_frames().values():
-            while frame is not None:
-                if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
-                    return True
-                frame = frame.f_back
-        return False
-    return ray.get(monitor.__ray_call__.remote(look))
+    return ray.get(monitor.__ray_call__.remote(lambda _self, name=name: held_here(name)))
 
 
 def two_state_dicts(make_monitor, root: str):

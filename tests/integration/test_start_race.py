@@ -6,7 +6,6 @@ winner wrote. Found while reviewing the contract's limits (session 34)."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 import pytest
@@ -20,21 +19,11 @@ from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 
-from .helpers import commit_one, tracker_of, wait_for, write_file
+from .helpers import commit_one, held_here, tracker_of, wait_for, write_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 DEADLINE_S = 60.0
-
-
-def _held_here(name: str) -> bool:
-    """Whether a thread of this process waits in failpoint ``name``."""
-    for frame in sys._current_frames().values():
-        while frame is not None:
-            if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
-                return True
-            frame = frame.f_back
-    return False
 
 
 def _start_in_thread(root: str, run: str, out: list) -> threading.Thread:
@@ -66,7 +55,7 @@ def test_a_start_that_loses_to_a_monitor_that_came_alive_is_refused_before_its_a
     failpoints.arm("before_open_attempt", f"until:{DEADLINE_S:g}:{gate}")
     b_out: list = []
     b = _start_in_thread(root, f"{run_name}-b", b_out)
-    wait_for(lambda: _held_here("before_open_attempt"), DEADLINE_S, "B held before opening its attempt")
+    wait_for(lambda: held_here("before_open_attempt"), DEADLINE_S, "B held before opening its attempt")
     failpoints.disarm("before_open_attempt")
     monitor = ckptd.start_monitor(root, run=f"{run_name}-a")
     try:
@@ -101,7 +90,7 @@ def test_a_start_that_fails_on_a_fresh_root_keeps_the_ledger_of_the_one_that_won
     failpoints.arm("before_monitor_actor", f"until:{DEADLINE_S:g}:{gate}")
     a_out: list = []
     a = _start_in_thread(root, run_name, a_out)
-    wait_for(lambda: _held_here("before_monitor_actor"), DEADLINE_S, "A held before creating its actor")
+    wait_for(lambda: held_here("before_monitor_actor"), DEADLINE_S, "A held before creating its actor")
     failpoints.disarm("before_monitor_actor")
     monitor = ckptd.start_monitor(root, run=run_name)
     try:

@@ -401,7 +401,8 @@ class Committer:
         would leave. Until one or the other succeeds (storage refusing both the sync and the
         removal) this keeps trying, however long that takes: a failure reported with the
         manifest still visible would commit the step for every reader, and for a restarted
-        monitor, after its callers heard it failed."""
+        monitor, after its callers heard it failed. A newer attempt on the root ends it before a
+        removal (FencedError): the root is that job's now, and what this one left is its to judge."""
         tries = 0
         while True:
             try:
@@ -423,8 +424,11 @@ class Committer:
                             type(e).__name__, e)
             try:
                 failpoints.hit("settle_remove")
+                check_fence(self.storage, self.attempt)  # as before any change to the root
                 self.storage.rm(path)
                 return False
+            except FencedError:
+                raise
             except Exception as e:
                 tries += 1
                 delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_MAX_BACKOFF_S)

@@ -252,7 +252,7 @@ def write_step_failure(storage: Storage, attempt: int, step: int, kind: Kind, re
 def write_step_deleted(storage: Storage, attempt: int, step: int, kinds: list[Kind]) -> None:
     """Retention deleted the step, whose ``kinds`` had committed: a step that also has a failed
     kind keeps its records (the failure must not be forgotten), and this says the committed
-    kinds are not to be committed again."""
+    kinds are not to be committed again. No kinds: a deletion marked, then not done."""
     path = f"{step_pending_dir(storage, attempt, step)}/deleted.json"
     _write_record(storage, path, _dump({"kinds": sorted(k.value for k in kinds), "at": time.time()}))
 

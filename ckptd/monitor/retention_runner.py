@@ -176,10 +176,14 @@ class RetentionRunner:
             self.claims.release(entry.step)
 
         def confirm(entry: StepEntry) -> bool:
-            # A committed step looks again right before its deletion: a withdrawal that began since
-            # the claim may need it kept. One with a failed kind has its deletion marked already
-            # (before_delete): it goes, as its claim decided.
-            return entry.step in failed or self.claims.confirm(entry)
+            # A step looks again right before its deletion: a withdrawal that began since the claim
+            # may need it kept. One with a failed kind had its deletion marked (before_delete): kept,
+            # the mark lists no committed kind any more, so a restart goes by its manifests.
+            if self.claims.confirm(entry):
+                return True
+            if entry.committed and entry.step in failed:
+                self._mark_deleted(entry.step, [])
+            return False
 
         result = run_plan(self._storage, plan, self._grace_s, before_delete=before_delete,
                           claim=claim, unclaim=unclaim, fence=self._check_fence, confirm=confirm)

@@ -19,8 +19,10 @@ from .helpers import (
     arm_in_monitor,
     assert_trackers_verified,
     commit_one,
+    fail_full_checkpoint,
     held_at,
     read_manifest,
+    restart_monitor,
     tracker_of,
     wait_for,
     write_file,
@@ -121,5 +123,45 @@ def test_a_withdrawal_while_retention_deletes_an_older_state_dict_keeps_it(make_
     assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
     assert read_manifest(root, 1, SD) is not None, "retention deleted a state dict it had to keep"
     assert tracker_of(root, SD) == (1 if 2 in withdrawn else 2)
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def test_a_withdrawal_while_retention_deletes_a_state_dict_whose_checkpoint_failed_keeps_it(make_monitor, tmp_path):
+    """As above, with step 1's full checkpoint failed (its state dict stays committed): its
+    deletion is marked in its records before the last look, which skipped such steps. The look
+    now keeps it too, and the mark then lists no kind, so a restarted monitor goes by the
+    manifests. Found by helper-51's attack (session 34)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    fail_full_checkpoint(coord, 1)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    assert read_manifest(root, 1, SD) is not None
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_step_delete", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        go = _state_dict_with_a_checkpoint_unit_held(coord, 3)
+        wait_for(lambda: held_at(monitor, "before_step_delete"), DEADLINE_S, "retention about to delete step 1")
+        arm_in_monitor(monitor, "before_step_delete", None)
+        go.set()
+        wait_for(lambda: read_manifest(root, 3, SD) is None or ray.get(
+            monitor.__ray_call__.remote(lambda self: 3 in self._ledger.withdrawing_steps())),
+            DEADLINE_S, "the withdrawal of state dict 3 begun")
+    finally:
+        open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
+    wait_for(lambda: read_manifest(root, 3, SD) is None, DEADLINE_S, "state dict 3 withdrawn")
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    assert read_manifest(root, 1, SD) is not None, "retention deleted one of the 2 newest committed state dicts"
+    assert tracker_of(root, SD) == 2
+    restart_monitor(monitor)
+    assert ray.get(monitor.wait_retention.remote(DEADLINE_S))
+    assert read_manifest(root, 1, SD) is not None and read_manifest(root, 2, SD) is not None
     assert_trackers_verified(root)
     coord.close()

@@ -424,7 +424,7 @@ class Committer:
                             type(e).__name__, e)
             try:
                 failpoints.hit("settle_remove")
-                check_fence(self.storage, self.attempt)  # as before any change to the root
+                check_fence(self.storage, self.attempt)  # at the last moment, as before a rename
                 self.storage.rm(path)
                 return False
             except FencedError:

@@ -35,7 +35,7 @@ from ckptd.config import Kind, MirrorOptions
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError
 from ckptd.layout import MANIFESTS, TRACKERS, StepEntry, is_committed, manifests_of, newest_committed, scan_steps
-from ckptd.manifest import FileEntry, crc32_file
+from ckptd.manifest import FileEntry, Manifest, crc32_file
 from ckptd.metrics import RETENTION_DELETIONS, RETRIED_REQUESTS, RunMetrics
 from ckptd.monitor.retention import RetentionPolicy, plan_retention, run_plan
 from ckptd.monitor.status import MirrorState, MirrorStatus, MirrorStepStatus, Trackers
@@ -263,6 +263,7 @@ class Mirror:
                 raise next((e for e in errors if isinstance(e, LocalCopyError)), errors[0])
             await self._io(failpoints.hit, "before_mirror_manifest")
             await self._io(self._check_fence)
+            manifests = await self._io(self._still_local, step, name, manifests)
             for kind, data in manifests.items():  # the manifest makes the step committed on the mirror
                 await self._io(self._retrying, f"manifest of step {step}", self._publish,
                                self.remote.join(name, MANIFESTS[kind]), data)
@@ -365,6 +366,19 @@ class Mirror:
         manifests = {k: committed.manifests[k].to_bytes()
                      for k in (Kind.STATE_DICT, Kind.CHECKPOINT) if k in committed.manifests}
         return committed.path.rsplit("/", 1)[-1], manifests, committed.files
+
+    def _still_local(self, step: int, name: str, manifests: dict[Kind, bytes]) -> dict[Kind, bytes]:
+        """Of ``manifests``, those the root still holds as they were read: a state dict withdrawn
+        while its files went up (a unit rewrote one) is not committed on the mirror either."""
+        out = {}
+        for kind, data in manifests.items():
+            text = self._local.read_text_or_none(self._local.join(name, MANIFESTS[kind]))
+            if text is not None and Manifest.model_validate_json(text).to_bytes() == data:
+                out[kind] = data
+        if not out:
+            raise LocalCopyError(f"step {step} is no longer committed under {self._local.url} (withdrawn while "
+                                 "it was being uploaded)")
+        return out
 
     def _copy_file(self, name: str, rel: str, entry: FileEntry, rec: _Upload) -> None:
         src, dst = self._local.join(name, rel), self.remote.join(name, rel)

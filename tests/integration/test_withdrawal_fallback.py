@@ -165,3 +165,32 @@ def test_a_withdrawal_while_retention_deletes_a_state_dict_whose_checkpoint_fail
     assert read_manifest(root, 1, SD) is not None and read_manifest(root, 2, SD) is not None
     assert_trackers_verified(root)
     coord.close()
+
+
+def test_a_state_dict_withdrawn_while_it_goes_up_to_the_mirror_is_not_committed_there(make_monitor, tmp_path):
+    """State dict 2's files are on the mirror, its manifest not yet, when it is withdrawn on the
+    root. The upload went on and committed it on the mirror (manifest and tracker) after the job
+    heard it was withdrawn; it now reads the root's manifests again before its own. Found by
+    helper-51's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "state_dicts": True})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_mirror_manifest", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        go = _state_dict_with_a_checkpoint_unit_held(coord, 2)
+        wait_for(lambda: held_at(monitor, "before_mirror_manifest"), DEADLINE_S, "step 2's upload before its manifest")
+        arm_in_monitor(monitor, "before_mirror_manifest", None)
+        go.set()
+        with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+            coord.wait_all()
+        assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1
+    finally:
+        open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointError, match="no longer committed"):
+        coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, SD) == 1
+    assert_trackers_verified(mirror)
+    coord.close()

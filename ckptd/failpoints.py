@@ -42,6 +42,7 @@ FAILPOINTS: dict[str, str] = {
     "before_manifest": "monitor: a step is complete, before its manifest is written",
     "before_tracker_rename": "monitor: the new tracker file is durable, before it is renamed into place",
     "after_publish": "monitor: a manifest or tracker was published, then its publish raised (outcome uncertain)",
+    "settle_read": "monitor: a publish raised (outcome uncertain), before it is read back to settle it",
     "settle_sync": "monitor: settling an uncertain publish found it on storage, before syncing it again",
     "settle_remove": "monitor: settling an uncertain publish could not sync it, before taking it back",
     "before_failure_record": "monitor: a step failed, before its failure record is written",

@@ -406,22 +406,24 @@ class Committer:
         tries = 0
         while True:
             try:
+                failpoints.hit("settle_read")
                 if self.storage.read_bytes(path) != data:
                     return False
             except FileNotFoundError:
                 return False
-            except Exception as e:  # unknown: a sync or a removal settles it
-                log.warning("could not read back %s after its publish raised: %s: %s", path, type(e).__name__, e)
+            except Exception as e:  # unknown (an object store's sync proves nothing): a removal settles it
+                log.warning("could not read back %s after its publish raised (%s: %s): taking it back", path,
+                            type(e).__name__, e)
             else:
                 log.warning("publishing %s raised %s: %s, but it is on storage; syncing again", path,
                             type(error).__name__, error)
-            try:
-                failpoints.hit("settle_sync")
-                self.storage.make_durable([path])
-                return True
-            except Exception as e:
-                log.warning("could not sync %s after its publish raised (%s: %s): taking it back", path,
-                            type(e).__name__, e)
+                try:
+                    failpoints.hit("settle_sync")
+                    self.storage.make_durable([path])
+                    return True
+                except Exception as e:
+                    log.warning("could not sync %s after its publish raised (%s: %s): taking it back", path,
+                                type(e).__name__, e)
             try:
                 failpoints.hit("settle_remove")
                 check_fence(self.storage, self.attempt)  # at the last moment, as before a rename

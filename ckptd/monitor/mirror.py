@@ -181,7 +181,9 @@ class Mirror:
             if self._fenced is not None:
                 return {"mirrored": False, "error": f"not mirrored: {self._fenced}"}
             if rec is None and self._ready and step not in self._queue:
-                kind = min(self._kinds, key=lambda k: k.value)  # checkpoint, unless only state dicts
+                # With state dicts mirrored a step may have no other manifest (a full checkpoint
+                # counts as a state dict too).
+                kind = Kind.STATE_DICT if Kind.STATE_DICT in self._kinds else Kind.CHECKPOINT
                 if await self._io(is_committed, self.remote, step, kind):  # mirrored by an earlier monitor
                     return {"mirrored": True, "error": None}
             event = self._events.setdefault(step, asyncio.Event())
@@ -266,7 +268,8 @@ class Mirror:
             manifests = await self._io(self._still_local, step, name, manifests)
             for kind, data in manifests.items():  # the manifest makes the step committed on the mirror
                 await self._io(self._retrying, f"manifest of step {step}", self._publish,
-                               self.remote.join(name, MANIFESTS[kind]), data)
+                               self.remote.join(name, MANIFESTS[kind]), data,
+                               partial(self._still_local, step, name, {kind: data}))
             await self._advance_trackers(step, set(manifests))
         except FencedError as e:
             # Uploaded again if the fence is lifted (lift_fence); meanwhile waits say why not.
@@ -411,12 +414,19 @@ class Mirror:
         if problem:
             raise OSError(f"the mirror's copy of {dst} is {problem}")
 
-    def _publish(self, path: str, data: bytes) -> None:
-        """A manifest or tracker onto the mirror, if this monitor's attempt is still the newest:
-        checked at the last moment of each try, as the root's publishes are (a try retried for
-        seconds must not publish over a newer job that started meanwhile)."""
+    def _publish(self, path: str, data: bytes, check: Callable[[], Any] | None = None) -> None:
+        """A manifest or tracker onto the mirror, if this monitor's attempt is still the newest
+        (and ``check`` passes: for a manifest, the root still holds it): checked at the last
+        moment of each try, as the root's publishes are (a try retried for seconds must not
+        publish over a newer job that started meanwhile, nor a state dict withdrawn meanwhile)."""
+
+        def last_moment() -> None:
+            self._check_fence()
+            if check is not None:
+                check()
+
         failpoints.hit("before_mirror_publish")
-        self.remote.write_atomic(path, data, before_publish=self._check_fence)
+        self.remote.write_atomic(path, data, before_publish=last_moment)
 
     def _retrying(self, what: str, fn: Callable, *args: Any) -> Any:
         for attempt in range(self._opts.retries + 1):

@@ -194,3 +194,52 @@ def test_a_state_dict_withdrawn_while_it_goes_up_to_the_mirror_is_not_committed_
     assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, SD) == 1
     assert_trackers_verified(mirror)
     coord.close()
+
+
+def test_a_state_dict_withdrawn_while_its_mirror_manifest_write_is_retried_is_not_committed_there(
+        make_monitor, tmp_path):
+    """As above, with the mirror refusing the manifest's write for a while: the root was read
+    once, before the first try, and the retried write went up after the withdrawal. Each try
+    reads it again now. Found by helper-52's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "state_dicts": True, "retries": 200, "retry_backoff_s": 0.05})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    held, refused = str(tmp_path / "held"), str(tmp_path / "refused")
+    arm_in_monitor(monitor, "before_mirror_manifest", f"until:{DEADLINE_S:g}:{held}")
+    try:
+        go = _state_dict_with_a_checkpoint_unit_held(coord, 2)
+        wait_for(lambda: held_at(monitor, "before_mirror_manifest"), DEADLINE_S, "step 2's upload before its manifest")
+        arm_in_monitor(monitor, "before_mirror_publish", f"raise_until:{refused}")
+        arm_in_monitor(monitor, "before_mirror_manifest", None)
+        tries = ray.get(monitor.__ray_call__.remote(lambda self: self._mirror._retried))
+        open(held, "w").close()
+        wait_for(lambda: ray.get(monitor.__ray_call__.remote(lambda self: self._mirror._retried)) > tries, DEADLINE_S,
+                 "the manifest's write refused and retried")
+        go.set()
+        with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+            coord.wait_all()
+        assert read_manifest(root, 2, SD) is None
+    finally:
+        open(held, "w").close()
+        open(refused, "w").close()
+    with pytest.raises(ckptd.CheckpointError, match="no longer committed"):
+        coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, SD) == 1
+    arm_in_monitor(monitor, "before_mirror_publish", None)
+    coord.close()
+
+
+def test_a_wait_for_a_state_dict_mirrored_before_a_restart_ends(make_monitor, tmp_path):
+    """With state dicts mirrored, a restarted monitor asked about a step already on the mirror
+    looked for its full checkpoint's manifest, which a state dict alone does not have: the wait
+    ran to its timeout. Found by helper-52's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "state_dicts": True})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    restart_monitor(monitor, how="sigkill")
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    coord.close()

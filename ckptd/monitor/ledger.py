@@ -98,6 +98,10 @@ class StepLedger:
         return {r.step for r in self._records.values()
                 if r.has_running() or any(r.active(k) and not r[k].settled for k in Kind)}
 
+    def committing_steps(self) -> set[int]:
+        """Steps with a kind whose commit is in flight (its manifest may be visible already)."""
+        return {r.step for r in self._records.values() if any(r[k].state is StepState.COMMITTING for k in Kind)}
+
     def withdrawing_steps(self) -> set[int]:
         """Steps whose committed state dict is being withdrawn (its manifest may still be there),
         or checked against storage, which may withdraw it: retention keeps them, uncounted."""

@@ -70,7 +70,7 @@ def _newest(steps: list[int], n: int | None) -> set[int]:
 
 def plan_retention(
     entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int],
-    withdrawing: set[int] = frozenset(),
+    withdrawing: set[int] = frozenset(), settling: set[int] = frozenset(),
 ) -> RetentionPlan:
     """Decide what to delete.
 
@@ -82,17 +82,21 @@ def plan_retention(
             commit any more (and none is in flight).
         withdrawing: Steps whose state dict is being withdrawn: kept, but not counted among the
             newest ``max_state_dict_to_keep`` (an older state dict that stays must not go).
+        settling: Steps with a commit in flight, whose manifest may be visible and still be taken
+            back (an uncertain publish): kept, and counted neither as a checkpoint nor as a state
+            dict, for the same reason.
     """
     plan = RetentionPlan()
     committed = sorted(s for s, e in entries.items() if e.committed)
     if not committed:
         return plan
     newest = committed[-1]
-    checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds]
+    checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds and s not in settling]
     keep = set(protected) | _newest(checkpoints, policy.max_ckpt_to_keep)
-    counted = [s for s in committed if s not in withdrawing or Kind.CHECKPOINT in entries[s].kinds]
+    counted = [s for s in committed
+               if s not in settling and (s not in withdrawing or Kind.CHECKPOINT in entries[s].kinds)]
     plan.counted_newest = _newest(counted, policy.max_state_dict_to_keep)
-    keep |= plan.counted_newest | (set(withdrawing) & set(committed))
+    keep |= plan.counted_newest | ((set(withdrawing) | set(settling)) & set(committed))
     if policy.keep_every_n_steps:
         keep |= {s for s in committed if s % policy.keep_every_n_steps == 0}
     for step in sorted(entries):

@@ -113,7 +113,7 @@ class RetentionRunner:
                                    if self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED}
                 try:
                     result = await self._in_thread(self._pass, protected, failed, at_once,
-                                                   self._ledger.withdrawing_steps())
+                                                   self._ledger.withdrawing_steps(), self._ledger.committing_steps())
                     self.deleted = (self.deleted + result.deleted)[-_HISTORY:]
                     self._metrics.inc(RETENTION_DELETIONS, len(result.deleted), tier="root")
                     self.errors = result.errors
@@ -135,7 +135,8 @@ class RetentionRunner:
             self._running = False
             self.idle.set()
 
-    def _pass(self, protected: set[int], failed: set[int], at_once: set[int], withdrawing: set[int]) -> PassResult:
+    def _pass(self, protected: set[int], failed: set[int], at_once: set[int], withdrawing: set[int],
+              settling: set[int]) -> PassResult:
         if self._check_fence is not None:
             self._check_fence()
         trash_error = None
@@ -148,7 +149,8 @@ class RetentionRunner:
             log.warning("%s; retrying at the next pass", trash_error)
         failpoints.hit("before_retention_scan")
         entries = scan_steps(self._storage, self._template)
-        plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing)
+        plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing,
+                              settling=settling)
         self._counted = plan.counted_newest
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A

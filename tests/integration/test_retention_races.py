@@ -150,3 +150,43 @@ def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, t
         may_finish.set()
     coord.wait_all()
     coord.close()
+
+
+@pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
+def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(make_monitor, tmp_path, kind):
+    """Two of ``kind`` are kept; 1 and 2 are committed. Step 3's manifest is visible, but its
+    publish raised and is being settled (held) when step 4 commits: that pass counted 3 among
+    the newest two and deleted 2. Then 3 is taken back (its sync fails): one was left. Found by
+    helper-52's attack (session 34)."""
+    is_sd = kind is Kind.STATE_DICT
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
+    commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
+    assert ray.get(monitor.wait_retention.remote(60))
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "after_publish", "raise")
+    arm_in_monitor(monitor, "settle_read", f"until:60:{gate}")
+    try:
+        coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
+                             else {"checkpoint_thread_count": 1}))
+        coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
+                         is_state_dict=is_sd)
+        wait_for(lambda: held_at(monitor, "settle_read"), what="step 3's uncertain publish being settled")
+        arm_in_monitor(monitor, "after_publish", None)
+        arm_in_monitor(monitor, "settle_read", None)
+        commit_one(coord, 4, "weights.bin", is_state_dict=is_sd)
+        assert ray.get(monitor.wait_retention.remote(60))
+        arm_in_monitor(monitor, "settle_sync", "raise")  # step 3 is taken back
+    finally:
+        open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(3, is_state_dict=is_sd, timeout_s=60)
+    arm_in_monitor(monitor, "settle_sync", None)
+    assert ray.get(monitor.wait_retention.remote(60))
+    manifest = MANIFESTS[kind]
+    left = [s for s in (1, 2, 3, 4) if os.path.exists(f"{ckptd.step_dir(root, s)}/{manifest}")]
+    assert left == [2, 4], f"retention kept {left} of the two newest committed"
+    assert_trackers_verified(root)
+    coord.close()

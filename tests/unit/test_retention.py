@@ -51,6 +51,15 @@ def test_a_state_dict_being_withdrawn_is_kept_but_does_not_count_toward_the_wind
     assert [e.step for e in plan.delete] == [1, 2]
 
 
+def test_a_step_whose_commit_is_settling_is_kept_but_counts_toward_no_window():
+    """Its manifest is visible, but its publish may still be taken back: 2 must stay."""
+    for spec, policy in (({1: S, 2: S, 3: S, 4: S}, RetentionPolicy(max_state_dict_to_keep=2)),
+                         ({1: C, 2: C, 3: C, 4: C}, RetentionPolicy(max_ckpt_to_keep=2, max_state_dict_to_keep=2))):
+        plan = plan_retention(_entries(spec), policy, protected=set(), failed=set(), settling={3})
+        assert [e.step for e in plan.delete] == [1]
+        assert 3 not in plan.counted_newest
+
+
 def test_never_the_protected_nor_the_newest_nor_anything_newer():
     spec = {1: C, 2: C, 3: C, 4: frozenset(), 5: C}
     delete, _, idle = _deleted(spec, RetentionPolicy(max_ckpt_to_keep=2, max_state_dict_to_keep=2), protected={1})

@@ -306,16 +306,26 @@ class Committer:
             if current is not None and current >= step and is_committed(self.storage, current, kind):
                 raise _NotNeeded
 
+        path = self.storage.join(TRACKERS[kind])
         try:
-            self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(),
-                          partial(failpoints.hit, "before_tracker_rename"), still_forward)
+            self._publish(path, f"{step}\n".encode(), partial(failpoints.hit, "before_tracker_rename"), still_forward,
+                          previous=self._current(path))
         except _NotNeeded:
             return False
         return True
 
     def write_tracker(self, kind: Kind, step: int) -> None:
         """Point the tracker at ``step`` whatever it holds (start-up repair, retirement)."""
-        self._publish(self.storage.join(TRACKERS[kind]), f"{step}\n".encode(), None)
+        path = self.storage.join(TRACKERS[kind])
+        self._publish(path, f"{step}\n".encode(), None, previous=self._current(path))
+
+    def _current(self, path: str) -> bytes | None:
+        """What a tracker holds now (None: none), for a publish over it to restore if it must
+        take itself back."""
+        try:
+            return self.storage.read_bytes(path)
+        except FileNotFoundError:
+            return None
 
     def differs(self, step: int, entries: list[FileEntry]) -> list[str]:
         """The paths (relative to the step) whose bytes on storage are not what ``entries`` say."""
@@ -363,8 +373,9 @@ class Committer:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def _publish(self, path: str, data: bytes, before_publish, check=None) -> None:
+    def _publish(self, path: str, data: bytes, before_publish, check=None, previous: bytes | None = None) -> None:
         """Publish ``data`` at ``path`` if this attempt is still the newest (and ``check`` passes).
+        ``previous``: what the path held (a tracker), restored if the publish must be taken back.
 
         Both checks run at the last moment, after the content is written and just before the
         rename (or PUT) makes it visible, so a monitor that stalled in between (a slow disk, a
@@ -390,12 +401,13 @@ class Committer:
         except Exception as e:
             # The rename (or PUT) may have happened before the error (a failed directory fsync,
             # a lost response): settle it by reading storage, before anyone is told anything.
-            if not self._settle(path, data, e):
+            if not self._settle(path, data, e, previous):
                 raise
 
-    def _settle(self, path: str, data: bytes, error: Exception) -> bool:
+    def _settle(self, path: str, data: bytes, error: Exception, previous: bytes | None = None) -> bool:
         """After a publish of ``data`` at ``path`` raised ``error``: True once it is on storage
-        and durable, False once it is not there (never published, or taken back).
+        and durable, False once it is not there (never published, or taken back: removed, or
+        ``previous`` put back, so that a tracker taken back still names the step it named).
 
         Visible but not durable, it is taken back, so that what readers see is what a crash
         would leave. Until one or the other succeeds (storage refusing both the sync and the
@@ -427,7 +439,10 @@ class Committer:
             try:
                 failpoints.hit("settle_remove")
                 check_fence(self.storage, self.attempt)  # at the last moment, as before a rename
-                self.storage.rm(path)
+                if previous is None:
+                    self.storage.rm(path)
+                else:
+                    self.storage.write_atomic(path, previous)
                 return False
             except FencedError:
                 raise

@@ -459,6 +459,35 @@ def test_an_uncertain_publish_that_cannot_be_read_back_is_taken_back_and_fails(m
     assert tracker(root) is None and ckptd.latest_step(root) is None
 
 
+def test_a_tracker_publish_taken_back_leaves_the_tracker_it_replaced(make_monitor, tmp_path):
+    """Step 2's tracker publish raised after its rename and cannot be read back: taking it back
+    removed the tracker, though it had named step 1, committed; a trainer resuming then found no
+    checkpoint. The tracker that was there is put back. Found by helper-52's attack (session 34)."""
+    from .helpers import arm_in_monitor, held_at
+
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
+    coord.register(1, checkpoint_thread_count=1)
+    coord.wait_committed(1, timeout_s=30)
+    gate = tmp_path / "gate"
+    arm_in_monitor(monitor, "before_tracker_rename", f"until:30:{gate}")
+    try:
+        coord.save_async("m", lambda: [write(f"{coord.step_dir(2)}/m.bin", b"2")], 2)
+        coord.register(2, checkpoint_thread_count=1)
+        wait_for(lambda: held_at(monitor, "before_tracker_rename"), 30, "tracker 2 about to be renamed")
+        arm_in_monitor(monitor, "after_publish", "raise")
+        arm_in_monitor(monitor, "settle_read", "raise")
+    finally:
+        gate.touch()
+    coord.wait_committed(2, timeout_s=30)  # committed: only its tracker could not be advanced
+    for name in ("after_publish", "settle_read", "before_tracker_rename"):
+        arm_in_monitor(monitor, name, None)
+    assert tracker(root) == 1 and ckptd.latest_step(root) == 1
+    wait_all(coord)
+
+
 @pytest.mark.parametrize("storage_recovers_with", ["the sync", "the removal"])
 def test_an_uncertain_publish_is_not_reported_while_storage_refuses_both_sync_and_removal(
         make_monitor, tmp_path, storage_recovers_with):

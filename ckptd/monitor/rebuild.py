@@ -44,8 +44,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
                 text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
                 manifest = Manifest.model_validate_json(text) if text else None
             ledger.mark_committed(step, kind, now, manifest and manifest.units, manifest and manifest.files)
-    if committer is not None:
-        _repair_trackers(committer, ledger, _newest(scanned), trackers)
+    recorded_failed: set[tuple[int, Kind]] = set()
     for pending in protocol.load_pending(storage, attempt):
         if ledger.is_committed(pending.step, Kind.CHECKPOINT):
             out.settled.append(pending.step)
@@ -67,7 +66,14 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         for kind, reason in pending.failure_reasons.items():
             ledger.fail_kind(rec, kind, reason)
             out.failures.add((pending.step, kind))
+            recorded_failed.add((pending.step, kind))
         out.steps.append(rec)
+    if committer is not None:
+        # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
+        # cut short (the failure is recorded first), which the start-up finishes.
+        trusted = {s: StepEntry(s, e.name, frozenset(k for k in e.kinds if (s, k) not in recorded_failed))
+                   for s, e in scanned.items()}
+        _repair_trackers(committer, ledger, _newest(trusted), trackers, recorded_failed)
     return out
 
 
@@ -90,18 +96,19 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],
-                     trackers: dict[Kind, int | None]) -> None:
+                     trackers: dict[Kind, int | None], failed: set[tuple[int, Kind]] = frozenset()) -> None:
     """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
-    edited by hand (or left by a retirement) may name a step that is not committed. Both are set
-    to the newest committed step."""
+    edited by hand (or left by a retirement) may name a step that is not committed, or one whose
+    failure is recorded (``failed``: a withdrawal cut short). All are set to the newest committed
+    step."""
     for kind in Kind:  # a kind with nothing committed has no entry in ``newest``
         step, current = newest.get(kind, -1), trackers[kind]
-        if step < 0 and current is not None and not ledger.is_committed(current, kind):
-            committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name
-            trackers[kind] = None
+        wrong = current is not None and ((current, kind) in failed or not ledger.is_committed(current, kind))
+        if step < 0:
+            if wrong:
+                committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name
+                trackers[kind] = None
             continue
-        if step < 0 or current == step:
-            continue
-        if current is None or current < step or not ledger.is_committed(current, kind):
+        if current is None or wrong or current < step:
             committer.write_tracker(kind, step)
             trackers[kind] = step

@@ -20,6 +20,7 @@ from .helpers import (
     assert_trackers_verified,
     commit_one,
     fail_full_checkpoint,
+    failpoint_env,
     held_at,
     read_manifest,
     restart_monitor,
@@ -242,4 +243,39 @@ def test_a_wait_for_a_state_dict_mirrored_before_a_restart_ends(make_monitor, tm
     coord.wait_mirrored(1, timeout_s=DEADLINE_S)
     restart_monitor(monitor, how="sigkill")
     coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    coord.close()
+
+
+def test_a_restart_between_a_withdrawals_tracker_and_manifest_keeps_the_tracker_back(make_monitor, tmp_path):
+    """State dict 3's withdrawal recorded its failure and pointed the tracker back at 2; the
+    monitor is killed before the manifest goes. The restarted monitor's tracker repair went by
+    the manifests alone and pointed the tracker at 3 again (its file replaced) until the start-up
+    withdrew it; the recorded failure now rules that step out. Found by helper-52's attack
+    (session 34)."""
+    root = str(tmp_path / "ckpt")
+    restarted = str(tmp_path / "restarted")  # holds the restarted monitor's own withdrawal of 3
+    monitor = make_monitor(root, max_state_dict_to_keep=3, max_ckpt_to_keep=None,
+                           runtime_env=failpoint_env(f"before_revoke=until:{DEADLINE_S:g}:{restarted}"))
+    arm_in_monitor(monitor, "before_revoke", "delay:0")  # not in this first process
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    go = _state_dict_with_a_checkpoint_unit_held(coord, 3)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_revoke_rm", f"until:{DEADLINE_S:g}:{gate}")
+    go.set()
+    wait_for(lambda: held_at(monitor, "before_revoke_rm"), DEADLINE_S, "the withdrawal between tracker and manifest")
+    assert tracker_of(root, SD) == 2 and read_manifest(root, 3, SD) is not None
+    restart_monitor(monitor, how="sigkill")
+    open(gate, "w").close()
+    try:
+        wait_for(lambda: held_at(monitor, "before_revoke"), DEADLINE_S, "the restarted monitor's withdrawal of 3")
+        assert tracker_of(root, SD) == 2  # as the start-up's tracker repair left it
+    finally:
+        open(restarted, "w").close()
+    wait_for(lambda: read_manifest(root, 3, SD) is None, DEADLINE_S, "state dict 3 withdrawn after the restart")
+    assert tracker_of(root, SD) == 2
+    assert_trackers_verified(root)
+    with pytest.raises(ckptd.CheckpointSaveError, match="weights.bin of step 3"):  # the unit, retried to the restart
+        coord.wait_all()
     coord.close()

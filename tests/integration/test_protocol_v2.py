@@ -425,31 +425,16 @@ def test_an_uncertain_publish_is_settled_by_reading_storage(make_monitor, tmp_pa
     ckptd.verify(root, 1)
 
 
-def test_an_uncertain_publish_that_cannot_be_made_durable_is_taken_back_and_fails(make_monitor, tmp_path):
-    """The manifest is visible but syncing it fails again: it is removed before anyone is told,
-    and the step fails; readers never saw a step reported failed as committed."""
+@pytest.mark.parametrize("fault", ["settle_sync=raise", "settle_read=raise"], ids=["sync-fails", "read-back-fails"])
+def test_an_uncertain_publish_that_cannot_be_made_durable_is_taken_back_and_fails(make_monitor, tmp_path, fault):
+    """The manifest is visible but syncing it fails again, or reading it back fails (whether it is
+    there is unknown, and on an object store a sync proves nothing: it was counted as published
+    once the sync passed): it is removed before anyone is told, and the step fails; readers never
+    saw a step reported failed as committed."""
     from .helpers import failpoint_env
 
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0, runtime_env=failpoint_env("after_publish=raise,settle_sync=raise"))
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
-    coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
-    coord.register(1, checkpoint_thread_count=1)
-    with pytest.raises(ckptd.CheckpointSaveError, match="FailpointError"):
-        coord.wait_committed(1, timeout_s=30)
-    assert not os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[Kind.CHECKPOINT]}")
-    assert tracker(root) is None and ckptd.latest_step(root) is None
-
-
-def test_an_uncertain_publish_that_cannot_be_read_back_is_taken_back_and_fails(make_monitor, tmp_path):
-    """The manifest's publish raised and reading it back fails too: whether it is there is
-    unknown. A sync proves nothing (on an object store it is a no-op), so it is removed and the
-    step fails; it was counted as published once the sync passed."""
-    from .helpers import failpoint_env
-
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0,
-                           runtime_env=failpoint_env("after_publish=raise,settle_read=raise", tmp_path / "once"))
+    monitor = make_monitor(root, commit_retries=0, runtime_env=failpoint_env(f"after_publish=raise,{fault}"))
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
     coord.save_async("m", lambda: [write(f"{coord.step_dir(1)}/m.bin", b"1")], 1)
     coord.register(1, checkpoint_thread_count=1)

@@ -62,6 +62,8 @@ class RetentionPlan:
     # The committed steps counted among the newest max_state_dict_to_keep: the deletions hold
     # only while each of them stays committed.
     counted_newest: set[int] = field(default_factory=set)
+    # Likewise the checkpoints counted among the newest max_ckpt_to_keep.
+    counted_checkpoints: set[int] = field(default_factory=set)
 
 
 def _newest(steps: list[int], n: int | None) -> set[int]:
@@ -92,7 +94,8 @@ def plan_retention(
         return plan
     newest = committed[-1]
     checkpoints = [s for s in committed if Kind.CHECKPOINT in entries[s].kinds and s not in settling]
-    keep = set(protected) | _newest(checkpoints, policy.max_ckpt_to_keep)
+    plan.counted_checkpoints = _newest(checkpoints, policy.max_ckpt_to_keep)
+    keep = set(protected) | plan.counted_checkpoints
     counted = [s for s in committed
                if s not in settling and (s not in withdrawing or Kind.CHECKPOINT in entries[s].kinds)]
     plan.counted_newest = _newest(counted, policy.max_state_dict_to_keep)

@@ -72,7 +72,8 @@ class RetentionRunner:
         self.deleted: list[int] = []
         self.errors: list[str] = []
         self.claims = DeletionClaims(self._may_delete)
-        self._counted: set[int] = set()  # the current plan's counted_newest
+        self._counted: set[int] = set()  # the current plan's counted_newest and counted_checkpoints
+        self._counted_kinds: dict[int, frozenset[Kind]] = {}  # the manifests the scan saw of those
         self._sd_failed: set[int] = set()  # steps whose state dict had failed when the pass began
         self._replan = False  # a deletion was refused because the plan kept too few
 
@@ -151,7 +152,8 @@ class RetentionRunner:
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing,
                               settling=settling)
-        self._counted = plan.counted_newest
+        self._counted = plan.counted_newest | plan.counted_checkpoints
+        self._counted_kinds = {s: entries[s].kinds for s in self._counted}
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
         # step with a failed kind keeps its records: they are what tells a restarted monitor it
@@ -201,8 +203,10 @@ class RetentionRunner:
         flight, a registration or commit of it under way, a tracker target), being withdrawn,
         or if a kind the scan did not see committed has committed or is committing since. A
         committed step is not deleted either once a state dict the plan counted among the
-        newest is being withdrawn, or was since the pass began (its state dict failed): the
-        plan kept too few; another pass follows (once: then the next commit's)."""
+        newest is being withdrawn, or was since the pass began (its state dict failed), or a
+        manifest it counted belongs to a commit still in flight (begun after the pass read what
+        was: its publish may yet be taken back): the plan kept too few; another pass follows
+        (once: then the next commit's)."""
         step = entry.step
         withdrawing = self._ledger.withdrawing_steps()
         if step in self._protected() or step in withdrawing:
@@ -210,7 +214,9 @@ class RetentionRunner:
         if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
                for k in Kind if k not in entry.kinds):
             return False
-        if entry.committed and any(s in withdrawing or self._withdrawn_since_the_pass_began(s) for s in self._counted):
+        if entry.committed and any(s in withdrawing or self._withdrawn_since_the_pass_began(s) or any(
+                self._ledger.state_of(s, k) is StepState.COMMITTING for k in self._counted_kinds.get(s, ()))
+                for s in self._counted):
             self._replan = True
             return False
         return True

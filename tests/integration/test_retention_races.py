@@ -190,3 +190,49 @@ def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(m
     assert left == [2, 4], f"retention kept {left} of the two newest committed"
     assert_trackers_verified(root)
     coord.close()
+
+
+@pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
+def test_a_pass_does_not_count_a_manifest_whose_commit_began_after_it_read_what_was_in_flight(
+        make_monitor, tmp_path, kind):
+    """As above, but step 3's commit begins after the pass (scheduled by step 2's commit) read
+    what was in flight and before it scanned: the scan counted 3's manifest, still being
+    settled, and 1 was deleted before 3 was taken back. The last look before each deletion now
+    refuses while a manifest the plan counted belongs to a commit in flight. Found by helper-53's
+    attack (session 34)."""
+    is_sd = kind is Kind.STATE_DICT
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
+    assert ray.get(monitor.wait_retention.remote(60))
+    scan, settle = str(tmp_path / "scan"), str(tmp_path / "settle")
+    arm_in_monitor(monitor, "before_retention_scan", f"until:60:{scan}")
+    try:
+        commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
+        arm_in_monitor(monitor, "before_retention_scan", None)
+        arm_in_monitor(monitor, "after_publish", "raise")
+        arm_in_monitor(monitor, "settle_read", "raise")
+        arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
+        coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
+                             else {"checkpoint_thread_count": 1}))
+        coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
+                         is_state_dict=is_sd)
+        wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
+        arm_in_monitor(monitor, "after_publish", None)
+        arm_in_monitor(monitor, "settle_read", None)
+        open(scan, "w").close()  # the pass scans 1, 2 and 3
+        assert ray.get(monitor.wait_retention.remote(60))
+        assert os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[kind]}")
+    finally:
+        open(scan, "w").close()
+        open(settle, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(3, is_state_dict=is_sd, timeout_s=60)
+    arm_in_monitor(monitor, "settle_remove", None)
+    assert ray.get(monitor.wait_retention.remote(60))
+    left = [s for s in (1, 2, 3) if os.path.exists(f"{ckptd.step_dir(root, s)}/{MANIFESTS[kind]}")]
+    assert left == [1, 2], f"retention kept {left} of the two newest committed"
+    assert_trackers_verified(root)
+    coord.close()

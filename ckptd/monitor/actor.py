@@ -31,7 +31,7 @@ from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.fence_watch import FENCE_CHECK_S, FenceWatch
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import StepLedger, StepRecord
+from ckptd.monitor.ledger import StepLedger, StepRecord, StepState
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -319,12 +319,30 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         """Wait until ``step`` is committed on the mirror.
 
         Returns ``{"mirrored": bool, "error": str | None}``: ``error`` is None when the wait
-        timed out, and says why otherwise (no mirror configured, or a local copy that cannot be
-        uploaded).
+        timed out, and says why otherwise (no mirror configured, a local copy that cannot be
+        uploaded, or a step whose every mirrored kind failed).
         """
         if self._mirror is None:
             return {"mirrored": False, "error": "this monitor has no mirror; start it with mirror=URL"}
-        return await self._mirror.wait(step, timeout_s)
+        kinds = [k for k in Kind if self._mirror.mirrors(k)]
+        mirrored = asyncio.ensure_future(self._mirror.wait(step, timeout_s))
+        try:
+            while True:
+                # A step whose every mirrored kind failed is never uploaded: no upload would end the wait.
+                if all(self._ledger.state_of(step, k) is StepState.FAILED for k in kinds):
+                    unit, cause = self._ledger.failure_of(step, kinds[0])
+                    return {"mirrored": False, "error": f"not mirrored: step {step} failed: {cause}"}
+                settling = [asyncio.ensure_future(self._event(step, k).wait()) for k in kinds
+                            if not self._settled(step, k)]
+                try:
+                    await asyncio.wait([mirrored, *settling], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiting in settling:
+                        waiting.cancel()
+                if mirrored.done():
+                    return mirrored.result()
+        finally:
+            mirrored.cancel()
 
     async def retry_mirror(self) -> None:
         """Try failed uploads to the mirror again now, instead of after ``retry_after_s``."""

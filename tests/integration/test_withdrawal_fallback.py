@@ -22,6 +22,7 @@ from .helpers import (
     fail_full_checkpoint,
     failpoint_env,
     held_at,
+    in_thread,
     read_manifest,
     restart_monitor,
     tracker_of,
@@ -190,7 +191,7 @@ def test_a_state_dict_withdrawn_while_it_goes_up_to_the_mirror_is_not_committed_
         assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1
     finally:
         open(gate, "w").close()
-    with pytest.raises(ckptd.CheckpointError, match="no longer committed"):
+    with pytest.raises(ckptd.CheckpointError, match="withdrawn|no longer committed"):
         coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, SD) == 1
     assert_trackers_verified(mirror)
@@ -225,7 +226,7 @@ def test_a_state_dict_withdrawn_while_its_mirror_manifest_write_is_retried_is_no
     finally:
         open(held, "w").close()
         open(refused, "w").close()
-    with pytest.raises(ckptd.CheckpointError, match="no longer committed"):
+    with pytest.raises(ckptd.CheckpointError, match="withdrawn|no longer committed"):
         coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, SD) == 1
     arm_in_monitor(monitor, "before_mirror_publish", None)
@@ -277,5 +278,38 @@ def test_a_restart_between_a_withdrawals_tracker_and_manifest_keeps_the_tracker_
     assert tracker_of(root, SD) == 2
     assert_trackers_verified(root)
     with pytest.raises(ckptd.CheckpointSaveError, match="weights.bin of step 3"):  # the unit, retried to the restart
+        coord.wait_all()
+    coord.close()
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["live", "after-a-restart"])
+def test_a_wait_for_the_mirror_of_a_failed_step_ends(make_monitor, tmp_path, restarted):
+    """State dict 2 failed (its unit raised): it is never uploaded, and no upload's outcome woke
+    a wait for it on the mirror, which ran to its timeout (forever, without one). Found by
+    helper-53's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "state_dicts": True})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    waiting = threading.Thread(target=lambda: outcome.append(in_thread(
+        lambda: coord.wait_mirrored(2, timeout_s=None), DEADLINE_S)), daemon=True)
+    outcome: list = []
+    if not restarted:
+        waiting.start()  # begun before the failure
+
+    def disk_full():
+        raise OSError("disk full")
+
+    coord.save_async("weights", disk_full, 2, is_state_dict=True)
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    if restarted:
+        restart_monitor(monitor, how="sigkill")
+        waiting.start()
+    waiting.join(DEADLINE_S)
+    assert outcome and outcome[0][0] == "raised", f"the wait for step 2 on the mirror did not end: {outcome}"
+    assert isinstance(outcome[0][1], ckptd.CheckpointError) and "disk full" in str(outcome[0][1])
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_all()
     coord.close()

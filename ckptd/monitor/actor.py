@@ -330,7 +330,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
             while True:
                 # A step whose every mirrored kind failed is never uploaded: no upload would end the wait.
                 if all(self._ledger.state_of(step, k) is StepState.FAILED for k in kinds):
-                    unit, cause = self._ledger.failure_of(step, kinds[0])
+                    _, cause = self._ledger.failure_of(step, kinds[0])
                     return {"mirrored": False, "error": f"not mirrored: step {step} failed: {cause}"}
                 settling = [asyncio.ensure_future(self._event(step, k).wait()) for k in kinds
                             if not self._settled(step, k)]

@@ -376,7 +376,8 @@ class Mirror:
         out = {}
         for kind, data in manifests.items():
             text = self._local.read_text_or_none(self._local.join(name, MANIFESTS[kind]))
-            if text is not None and Manifest.model_validate_json(text).to_bytes() == data:
+            # As written (the same bytes), or as another version of ckptd wrote it (parsed).
+            if text is not None and (text.encode() == data or Manifest.model_validate_json(text).to_bytes() == data):
                 out[kind] = data
         if not out:
             raise LocalCopyError(f"step {step} is no longer committed under {self._local.url} (withdrawn while "

@@ -71,17 +71,17 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     if committer is not None:
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
         # cut short (the failure is recorded first), which the start-up finishes.
-        trusted = {s: StepEntry(s, e.name, frozenset(k for k in e.kinds if (s, k) not in recorded_failed))
-                   for s, e in scanned.items()}
-        _repair_trackers(committer, ledger, _newest(trusted), trackers, recorded_failed)
+        newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
+        _repair_trackers(committer, ledger, newest, trackers, recorded_failed)
     return out
 
 
-def _newest(scanned: dict[int, StepEntry]) -> dict[Kind, int]:
-    """The newest committed step of each kind (a full checkpoint counts as a state dict too)."""
+def _newest(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:
+    """The newest committed step of each kind (a full checkpoint counts as a state dict too),
+    counting of each step's manifests those ``trusted`` keeps."""
     newest: dict[Kind, int] = {}
     for step, entry in scanned.items():
-        for kind in entry.kinds:
+        for kind in trusted(step, entry.kinds):
             newest[kind] = max(newest.get(kind, -1), step)
     newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
     return newest
@@ -91,8 +91,7 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
                     trackers: dict[Kind, int | None], trusted: Trusted) -> None:
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
-    scanned = {s: StepEntry(s, e.name, trusted(s, e.kinds)) for s, e in scan_steps(storage, template).items()}
-    _repair_trackers(committer, ledger, _newest(scanned), trackers)
+    _repair_trackers(committer, ledger, _newest(scan_steps(storage, template), trusted), trackers)
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],

@@ -152,6 +152,14 @@ def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, t
     coord.close()
 
 
+def _save_step_3(coord, is_sd: bool) -> None:
+    """Register step 3 for a state dict or a full checkpoint, and save its one unit."""
+    coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
+                         else {"checkpoint_thread_count": 1}))
+    coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
+                     is_state_dict=is_sd)
+
+
 @pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
 def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(make_monitor, tmp_path, kind):
     """Two of ``kind`` are kept; 1 and 2 are committed. Step 3's manifest is visible, but its
@@ -169,10 +177,7 @@ def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(m
     arm_in_monitor(monitor, "after_publish", "raise")
     arm_in_monitor(monitor, "settle_read", f"until:60:{gate}")
     try:
-        coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
-                             else {"checkpoint_thread_count": 1}))
-        coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
-                         is_state_dict=is_sd)
+        _save_step_3(coord, is_sd)
         wait_for(lambda: held_at(monitor, "settle_read"), what="step 3's uncertain publish being settled")
         arm_in_monitor(monitor, "after_publish", None)
         arm_in_monitor(monitor, "settle_read", None)
@@ -215,10 +220,7 @@ def test_a_pass_does_not_count_a_manifest_whose_commit_began_after_it_read_what_
         arm_in_monitor(monitor, "after_publish", "raise")
         arm_in_monitor(monitor, "settle_read", "raise")
         arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
-        coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
-                             else {"checkpoint_thread_count": 1}))
-        coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
-                         is_state_dict=is_sd)
+        _save_step_3(coord, is_sd)
         wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
         arm_in_monitor(monitor, "after_publish", None)
         arm_in_monitor(monitor, "settle_read", None)

@@ -328,8 +328,10 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         mirrored = asyncio.ensure_future(self._mirror.wait(step, timeout_s))
         try:
             while True:
-                # A step whose every mirrored kind failed is never uploaded: no upload would end the wait.
-                if all(self._ledger.state_of(step, k) is StepState.FAILED for k in kinds):
+                # A step whose every mirrored kind failed is never uploaded: no upload would end the
+                # wait. Told only once recorded, as wait_committed is: until then a restarted monitor
+                # could still commit it.
+                if all(self._ledger.state_of(step, k) is StepState.FAILED and self._settled(step, k) for k in kinds):
                     _, cause = self._ledger.failure_of(step, kinds[0])
                     return {"mirrored": False, "error": f"not mirrored: step {step} failed: {cause}"}
                 settling = [asyncio.ensure_future(self._event(step, k).wait()) for k in kinds

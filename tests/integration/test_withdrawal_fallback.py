@@ -313,3 +313,30 @@ def test_a_wait_for_the_mirror_of_a_failed_step_ends(make_monitor, tmp_path, res
     with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
         coord.wait_all()
     coord.close()
+
+
+def test_a_wait_for_the_mirror_is_told_of_a_failure_only_once_it_is_recorded(make_monitor, tmp_path):
+    """State dict 2's commit failed and its failure record is being written (held): a wait on
+    the mirror was told "failed" at once, while wait_committed waits for the record, and a
+    monitor killed before the record then committed and mirrored the step. It now waits for
+    the record too. Found by helper-54's attack (session 34)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, commit_retries=0, mirror={"url": mirror, "state_dicts": True})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_manifest", "raise")
+    arm_in_monitor(monitor, "before_failure_record", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+        coord.save_async("weights", lambda: write_file(f"{coord.step_dir(2)}/weights.bin", os.urandom(64)), 2,
+                         is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "before_failure_record"), DEADLINE_S, "the failure record held")
+        arm_in_monitor(monitor, "before_manifest", None)
+        with pytest.raises(TimeoutError):  # not failed yet: the record is not written
+            coord.wait_mirrored(2, timeout_s=2)
+    finally:
+        open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointError, match="FailpointError"):  # recorded now
+        coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    coord.close()

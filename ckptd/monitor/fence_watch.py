@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.fencing import FencedError, newer_attempts
 from ckptd.monitor.rebuild import repair_trackers
@@ -49,7 +50,7 @@ class FenceWatch:
         seen, retention_fence = self._fence_seen, self._retention.fenced
         mirror_fence = None if self._mirror is None else self._mirror.fenced
         try:
-            newer = await self._in_thread(newer_attempts, self._storage, self._attempt)
+            newer = await self._in_thread(self._list_newer_attempts)
         except Exception as e:  # storage unreachable: the next check, or the next publish, tells
             log.debug("could not look for a newer attempt: %s: %s", type(e).__name__, e)
             return
@@ -76,6 +77,10 @@ class FenceWatch:
                 self._fenced = str(FencedError(self._attempt, stays.attempt, stays.run))
                 log.error("%s", self._fenced)
         self._newer_attempt, self._newer_seen = newer[-1], frozenset(newer)
+
+    def _list_newer_attempts(self) -> list:
+        failpoints.hit("before_fence_look")
+        return newer_attempts(self._storage, self._attempt)
 
     def _defer_check(self, rec: StepRecord, after: str) -> None:
         """Check the committed state dict of ``rec`` against storage if the fence is lifted

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import ray
@@ -144,16 +143,21 @@ def test_a_monitor_fenced_by_its_own_publish_ends_the_waits_on_steps_nobody_regi
     waiter = threading.Thread(target=lambda: unregistered.append(in_thread(lambda: coord.wait_committed(9),
                                                                              DEADLINE_S)), daemon=True)
     waiter.start()
-    t0 = time.monotonic()
+    # The periodic looks are held, so that the commit's publish is what meets the new attempt
+    # first (on a loaded machine two looks could otherwise come first, and the case be missed).
+    looks = str(tmp_path / "looks")
+    arm_in_monitor(monitor, "before_fence_look", f"until:{DEADLINE_S:g}:{looks}")
     open_attempt(Storage(root), "the-next-job", None)
     coord.register(2, checkpoint_thread_count=1)
     path = f"{coord.step_dir(2)}/model.bin"
     coord.save_async("model", lambda: write_file(path, os.urandom(64)), 2)
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         coord.wait_committed(2, timeout_s=DEADLINE_S)
-    # Two fence checks are FENCE_CHECK_S apart: sooner, the commit's publish fenced the monitor.
-    assert time.monotonic() - t0 < FENCE_CHECK_S, "the commit took too long: the case missed its window"
-    waiter.join(3 * FENCE_CHECK_S)
+    assert ray.get(monitor.__ray_call__.remote(lambda self: (self._fence_seen, self._fence_for_good))) == (1, False)
+    assert not unregistered, "the wait on step 9 ended before any look saw the new attempt"
+    arm_in_monitor(monitor, "before_fence_look", None)
+    open(looks, "w").close()
+    waiter.join(3 * FENCE_CHECK_S + 5)
     assert unregistered, f"the wait on step 9 was still waiting {3 * FENCE_CHECK_S:g} s after the fence"
     assert unregistered[0][0] == "raised" and "superseded" in str(unregistered[0][1]), unregistered
     assert read_manifest(root, 2, CKPT) is None and tracker_of(root, CKPT) == 1

@@ -138,8 +138,10 @@ class TrainerCalls:
         Raises:
             TimeoutError: not mirrored within ``timeout_s``; the upload may still be retrying
                 (``monitor.status.remote().mirror`` says why).
-            CheckpointError: the monitor has no mirror, or the step cannot be mirrored.
+            CheckpointError: the monitor has no mirror, or the step cannot be mirrored: it failed,
+                or it committed a state dict only and the mirror copies full checkpoints only.
         """
+        self._flush_registrations()  # a registration still on its way could be the step's full checkpoint
         result = self._client.call("wait_mirrored", check_step(global_step), timeout_s, waits_s=timeout_s)
         if result["mirrored"]:
             return

@@ -31,7 +31,7 @@ from ckptd.monitor.commit import Committer
 from ckptd.monitor.commit_flow import CommitFlow
 from ckptd.monitor.fence_watch import FENCE_CHECK_S, FenceWatch
 from ckptd.monitor.gauges import Gauges
-from ckptd.monitor.ledger import StepLedger, StepRecord, StepState
+from ckptd.monitor.ledger import StepLedger, StepRecord
 from ckptd.monitor.mirror import Mirror
 from ckptd.monitor.publication import Publication
 from ckptd.monitor.readers import ReaderRegistry
@@ -42,6 +42,7 @@ from ckptd.monitor.slots import SlotLeases
 from ckptd.monitor.startup import Startup
 from ckptd.monitor.status import build_status
 from ckptd.monitor.unit_reports import UnitReports, slot_key
+from ckptd.monitor.waits import Waits
 from ckptd.protocol import Registration, UnitId
 from ckptd.shared_root import probe_visible, unshared_message, where_am_i
 from ckptd.storage import Storage
@@ -53,7 +54,7 @@ log = logging.getLogger("ckptd.monitor")
 _HISTORY = 1000  # unshared writers reported by status()
 
 
-class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatch):
+class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatch, Waits):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -282,69 +283,6 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         ``flush``, the spans not persisted yet are written under the root first."""
         flushed = await self._recorder.flush() if flush else None
         return {"run": self._run, "root": self._storage.url, "spans": self._recorder.spans(), "flushed": flushed}
-
-    async def wait_committed(self, step: int, kind: str = "checkpoint", timeout_s: float | None = None) -> dict:
-        """Wait until (step, kind) is committed or failed.
-
-        Returns ``{"committed": bool, "unit": str | None, "cause": str | None}``; ``committed``
-        is False with ``cause`` None when the wait timed out, and with ``"unknown": True`` when
-        the step is older than the newest commit and nothing of it is known (retention deleted
-        it before this monitor started, or it was never saved).
-        """
-        k = Kind(kind)
-        newest = self._trackers[k]
-        if (self._ledger.state_of(step, k) is None and newest is not None and step < newest
-                and not self._settled(step, k)):  # a state dict its step's full checkpoint committed
-            return {"committed": False, "unit": None, "unknown": True,
-                    "cause": f"step {step} is unknown to the monitor: no save of it is in flight and it is older "
-                             f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._settled(step, k):
-            fenced = self._final_fence()
-            if fenced is not None and not self._could_settle(step, k):
-                # Nothing known of the step can settle the kind, and this monitor will accept
-                # nothing new that could.
-                return {"committed": False, "unit": None, "cause": f"not committed: {fenced}"}
-            try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                await asyncio.wait_for(self._event(step, k).wait(), left)
-            except asyncio.TimeoutError:
-                return {"committed": False, "unit": None, "cause": None}
-        failure = self._ledger.failure_of(step, k)
-        if failure is not None:
-            return {"committed": False, "unit": failure[0], "cause": failure[1]}
-        return {"committed": True, "unit": None, "cause": None}
-
-    async def wait_mirrored(self, step: int, timeout_s: float | None = None) -> dict:
-        """Wait until ``step`` is committed on the mirror.
-
-        Returns ``{"mirrored": bool, "error": str | None}``: ``error`` is None when the wait
-        timed out, and says why otherwise (no mirror configured, a local copy that cannot be
-        uploaded, or a step whose every mirrored kind failed).
-        """
-        if self._mirror is None:
-            return {"mirrored": False, "error": "this monitor has no mirror; start it with mirror=URL"}
-        kinds = [k for k in Kind if self._mirror.mirrors(k)]
-        mirrored = asyncio.ensure_future(self._mirror.wait(step, timeout_s))
-        try:
-            while True:
-                # A step whose every mirrored kind failed is never uploaded: no upload would end the
-                # wait. Told only once recorded, as wait_committed is: until then a restarted monitor
-                # could still commit it.
-                if all(self._ledger.state_of(step, k) is StepState.FAILED and self._settled(step, k) for k in kinds):
-                    _, cause = self._ledger.failure_of(step, kinds[0])
-                    return {"mirrored": False, "error": f"not mirrored: step {step} failed: {cause}"}
-                settling = [asyncio.ensure_future(self._event(step, k).wait()) for k in kinds
-                            if not self._settled(step, k)]
-                try:
-                    await asyncio.wait([mirrored, *settling], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for waiting in settling:
-                        waiting.cancel()
-                if mirrored.done():
-                    return mirrored.result()
-        finally:
-            mirrored.cancel()
 
     async def retry_mirror(self) -> None:
         """Try failed uploads to the mirror again now, instead of after ``retry_after_s``."""

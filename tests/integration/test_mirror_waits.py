@@ -1,0 +1,101 @@
+"""``wait_mirrored`` on a step that nothing will upload: with ``state_dicts`` off the mirror
+copies full checkpoints only, so a step that committed a state dict alone is never uploaded. The
+wait answered only at its timeout, or never without one (found by helper-54's attack, session
+34); it must say so once everything registered for the step has settled, and still wait while a
+full checkpoint of the step may commit."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import ckptd
+
+from .helpers import commit_one, disk_full, in_thread, read_manifest, tracker_of, write_file
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+DEADLINE_S = 60.0
+CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
+
+
+def _held_write(go: threading.Event, path: str):
+    """A save that writes ``path`` once ``go`` is set."""
+    def save() -> None:
+        assert go.wait(DEADLINE_S), "the test never let the save go"
+        write_file(path, os.urandom(64))
+    return save
+
+
+def test_a_step_that_committed_only_a_state_dict_is_answered_not_mirrored_once_it_settles(make_monitor, tmp_path):
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror})  # state_dicts off
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+
+    # A wait begun while step 2's state dict is still being saved: it waits, then is answered.
+    go = threading.Event()
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    path = f"{coord.step_dir(2)}/weights.bin"
+    coord.save_async("weights", _held_write(go, path), 2, is_state_dict=True)
+    early: list = []
+    waiter = threading.Thread(target=lambda: early.append(
+        in_thread(lambda: coord.wait_mirrored(2, timeout_s=None), DEADLINE_S)), daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    assert not early, f"the wait on step 2 was answered while its state dict was still being saved: {early}"
+    go.set()
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    waiter.join(DEADLINE_S)
+    assert early and early[0][0] == "raised", early
+    error = early[0][1]
+    assert isinstance(error, ckptd.CheckpointError) and not isinstance(error, ckptd.CheckpointSaveError)
+    assert "state dict only" in str(error) and "state_dicts" in str(error), error
+    # A wait begun after it settled is answered at once, without a timeout.
+    outcome, error = in_thread(lambda: coord.wait_mirrored(2, timeout_s=None), DEADLINE_S)
+    assert outcome == "raised" and "state dict only" in str(error), (outcome, error)
+    assert read_manifest(mirror, 2, SD) is None and tracker_of(mirror, CKPT) == 1
+    coord.close()
+
+
+def test_a_full_checkpoint_registered_after_the_state_dict_committed_is_still_waited_for(make_monitor, tmp_path):
+    """Registrations add up: step 3's full checkpoint comes after its state dict committed, and
+    is still on its way (in this coordinator's batch) when the wait begins."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    go = threading.Event()
+    coord.register(3, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(3)}/optim.bin"
+    coord.save_async("optim", _held_write(go, path), 3)
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(
+        in_thread(lambda: coord.wait_mirrored(3, timeout_s=None), DEADLINE_S)), daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    assert not result, f"the wait on step 3 was answered before its full checkpoint settled: {result}"
+    go.set()
+    waiter.join(DEADLINE_S)
+    assert result == [("ok", None)], result
+    assert read_manifest(mirror, 3, CKPT) is not None and tracker_of(mirror, CKPT) == 3
+    coord.close()
+
+
+def test_a_failed_state_dict_is_answered_failed_and_an_unregistered_step_still_waits(make_monitor, tmp_path):
+    """A state dict's failure fails its step's full checkpoint too, so the step is answered as
+    failed; a step nobody registered yet is waited on, as ``wait_committed`` does."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    coord.register(4, is_state_dict=True, state_dict_thread_count=1)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.save_sync(disk_full, 4, is_state_dict=True)
+    outcome, error = in_thread(lambda: coord.wait_mirrored(4, timeout_s=None), DEADLINE_S)
+    assert outcome == "raised" and "step 4 failed" in str(error) and "disk full" in str(error), (outcome, error)
+    with pytest.raises(TimeoutError):  # a registration for step 9 may still come
+        coord.wait_mirrored(9, timeout_s=0.5)
+    coord.close()

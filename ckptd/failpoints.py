@@ -51,6 +51,7 @@ FAILPOINTS: dict[str, str] = {
     "before_revoke_rm": "monitor: a withdrawal pointed the tracker back, before the manifest goes",
     "before_lease_record_removed": "monitor: a read lease was released, before its record under the root is deleted",
     "before_retention_scan": "monitor: a retention pass read what is in flight, before it scans the root",
+    "after_retention_plan": "monitor: a retention pass scanned the root and planned, before its first claim",
     "after_delete_claim": "monitor: retention claimed a step, before its ledger records go and it is deleted",
     "before_step_delete": "monitor: retention is about to delete a step directory",
     "after_mirror_file": "monitor: one file of a step was uploaded to the mirror and verified",

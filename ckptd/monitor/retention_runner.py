@@ -74,7 +74,7 @@ class RetentionRunner:
         self.claims = DeletionClaims(self._may_delete)
         self._counted: set[int] = set()  # the current plan's counted_newest and counted_checkpoints
         self._counted_kinds: dict[int, frozenset[Kind]] = {}  # the manifests the scan saw of those
-        self._sd_failed: set[int] = set()  # steps whose state dict had failed when the pass began
+        self._failed_before: set[tuple[int, Kind]] = set()  # the kinds of steps failed when the pass began
         self._replan = False  # a deletion was refused because the plan kept too few
 
     def release(self) -> None:
@@ -110,8 +110,8 @@ class RetentionRunner:
                 # dict the fence left alone (not older than the newest commit it knew) waits as an
                 # idle leftover, like the directory of a save the monitor has not heard of.
                 at_once = {s for s in failed if self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED}
-                self._sd_failed = {s for s in self._ledger.failed_steps()
-                                   if self._ledger.state_of(s, Kind.STATE_DICT) is StepState.FAILED}
+                self._failed_before = {(s, k) for s in self._ledger.failed_steps() for k in Kind
+                                       if self._ledger.state_of(s, k) is StepState.FAILED}
                 try:
                     result = await self._in_thread(self._pass, protected, failed, at_once,
                                                    self._ledger.withdrawing_steps(), self._ledger.committing_steps())
@@ -154,6 +154,7 @@ class RetentionRunner:
                               settling=settling)
         self._counted = plan.counted_newest | plan.counted_checkpoints
         self._counted_kinds = {s: entries[s].kinds for s in self._counted}
+        failpoints.hit("after_retention_plan")
         # A committed step's ledger records go before its directory: a monitor killed in between
         # still sees the manifest (committed), never records of a step whose files are gone. A
         # step with a failed kind keeps its records: they are what tells a restarted monitor it
@@ -195,18 +196,26 @@ class RetentionRunner:
             result.errors.insert(0, trash_error)
         return result
 
-    def _withdrawn_since_the_pass_began(self, step: int) -> bool:
-        return step not in self._sd_failed and self._ledger.state_of(step, Kind.STATE_DICT) is StepState.FAILED
+    def _unsure(self, step: int) -> bool:
+        """Whether a step the plan counted may not stay: a manifest the scan saw belongs to a commit
+        still in flight (begun after the pass read what was: its publish may yet be taken back), or
+        its state dict or a kind the scan saw committed failed since the pass began (withdrawn, or
+        a publish taken back)."""
+        for k in {*self._counted_kinds.get(step, ()), Kind.STATE_DICT}:
+            state = self._ledger.state_of(step, k)
+            if state is StepState.FAILED and (step, k) not in self._failed_before:
+                return True
+            if state is StepState.COMMITTING and k in self._counted_kinds.get(step, ()):
+                return True
+        return False
 
     def _may_delete(self, entry: StepEntry) -> bool:
         """On the event loop, right before a deletion: not if the step is protected now (in
         flight, a registration or commit of it under way, a tracker target), being withdrawn,
         or if a kind the scan did not see committed has committed or is committing since. A
-        committed step is not deleted either once a state dict the plan counted among the
-        newest is being withdrawn, or was since the pass began (its state dict failed), or a
-        manifest it counted belongs to a commit still in flight (begun after the pass read what
-        was: its publish may yet be taken back): the plan kept too few; another pass follows
-        (once: then the next commit's)."""
+        committed step is not deleted either once a step the plan counted among the newest is
+        being withdrawn, or may not stay (:meth:`_unsure`): the plan kept too few; another pass
+        follows (once: then the next commit's)."""
         step = entry.step
         withdrawing = self._ledger.withdrawing_steps()
         if step in self._protected() or step in withdrawing:
@@ -214,9 +223,7 @@ class RetentionRunner:
         if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
                for k in Kind if k not in entry.kinds):
             return False
-        if entry.committed and any(s in withdrawing or self._withdrawn_since_the_pass_began(s) or any(
-                self._ledger.state_of(s, k) is StepState.COMMITTING for k in self._counted_kinds.get(s, ()))
-                for s in self._counted):
+        if entry.committed and any(s in withdrawing or self._unsure(s) for s in self._counted):
             self._replan = True
             return False
         return True

@@ -238,3 +238,48 @@ def test_a_pass_does_not_count_a_manifest_whose_commit_began_after_it_read_what_
     assert left == [1, 2], f"retention kept {left} of the two newest committed"
     assert_trackers_verified(root)
     coord.close()
+
+
+@pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
+def test_a_counted_manifest_taken_back_between_the_scan_and_a_deletion_keeps_the_older_step(
+        make_monitor, tmp_path, kind):
+    """As above, but step 3's publish is taken back after the scan counted it and before step 1's
+    deletion is claimed: at the last look 3's commit is no longer in flight, it failed. The last
+    look refused for a state dict withdrawn since the pass began, not for a full checkpoint
+    taken back, and deleted 1."""
+    is_sd = kind is Kind.STATE_DICT
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
+    assert ray.get(monitor.wait_retention.remote(60))
+    scan, settle, planned = (str(tmp_path / name) for name in ("scan", "settle", "planned"))
+    arm_in_monitor(monitor, "before_retention_scan", f"until:60:{scan}")
+    try:
+        commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
+        arm_in_monitor(monitor, "before_retention_scan", None)
+        arm_in_monitor(monitor, "after_publish", "raise")
+        arm_in_monitor(monitor, "settle_read", "raise")
+        arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
+        _save_step_3(coord, is_sd)
+        wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
+        arm_in_monitor(monitor, "after_publish", None)
+        arm_in_monitor(monitor, "settle_read", None)
+        arm_in_monitor(monitor, "after_retention_plan", f"until:60:{planned}")
+        open(scan, "w").close()  # the pass scans 1, 2 and 3, counts 2 and 3, and plans to delete 1
+        wait_for(lambda: held_at(monitor, "after_retention_plan"), what="the pass's plan")
+        arm_in_monitor(monitor, "after_retention_plan", None)
+        arm_in_monitor(monitor, "settle_remove", None)
+        open(settle, "w").close()
+        with pytest.raises(ckptd.CheckpointSaveError):
+            coord.wait_committed(3, is_state_dict=is_sd, timeout_s=60)
+        assert not os.path.exists(f"{ckptd.step_dir(root, 3)}/{MANIFESTS[kind]}")
+    finally:
+        for gate in (scan, settle, planned):
+            open(gate, "w").close()
+    assert ray.get(monitor.wait_retention.remote(60))
+    left = [s for s in (1, 2, 3) if os.path.exists(f"{ckptd.step_dir(root, s)}/{MANIFESTS[kind]}")]
+    assert left == [1, 2], f"retention kept {left} of the two newest committed"
+    assert_trackers_verified(root)
+    coord.close()

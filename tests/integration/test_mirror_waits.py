@@ -29,6 +29,18 @@ def _held_write(go: threading.Event, path: str):
     return save
 
 
+def _waiting_for_the_mirror(coord, step: int) -> tuple[threading.Thread, list]:
+    """``wait_mirrored(step)`` without a timeout, in a thread (bounded, so that a wait nothing
+    ends fails the test instead of hanging it), given a second to end; its outcome lands in the
+    list."""
+    outcome: list = []
+    waiter = threading.Thread(target=lambda: outcome.append(
+        in_thread(lambda: coord.wait_mirrored(step, timeout_s=None), DEADLINE_S)), daemon=True)
+    waiter.start()
+    waiter.join(1.0)
+    return waiter, outcome
+
+
 def test_a_step_that_committed_only_a_state_dict_is_answered_not_mirrored_once_it_settles(make_monitor, tmp_path):
     root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
     monitor = make_monitor(root, mirror={"url": mirror})  # state_dicts off
@@ -41,11 +53,7 @@ def test_a_step_that_committed_only_a_state_dict_is_answered_not_mirrored_once_i
     coord.register(2, is_state_dict=True, state_dict_thread_count=1)
     path = f"{coord.step_dir(2)}/weights.bin"
     coord.save_async("weights", _held_write(go, path), 2, is_state_dict=True)
-    early: list = []
-    waiter = threading.Thread(target=lambda: early.append(
-        in_thread(lambda: coord.wait_mirrored(2, timeout_s=None), DEADLINE_S)), daemon=True)
-    waiter.start()
-    waiter.join(1.0)
+    waiter, early = _waiting_for_the_mirror(coord, 2)
     assert not early, f"the wait on step 2 was answered while its state dict was still being saved: {early}"
     go.set()
     coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
@@ -72,11 +80,7 @@ def test_a_full_checkpoint_registered_after_the_state_dict_committed_is_still_wa
     coord.register(3, checkpoint_thread_count=1)
     path = f"{coord.step_dir(3)}/optim.bin"
     coord.save_async("optim", _held_write(go, path), 3)
-    result: list = []
-    waiter = threading.Thread(target=lambda: result.append(
-        in_thread(lambda: coord.wait_mirrored(3, timeout_s=None), DEADLINE_S)), daemon=True)
-    waiter.start()
-    waiter.join(1.0)
+    waiter, result = _waiting_for_the_mirror(coord, 3)
     assert not result, f"the wait on step 3 was answered before its full checkpoint settled: {result}"
     go.set()
     waiter.join(DEADLINE_S)

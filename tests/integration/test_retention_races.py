@@ -152,6 +152,16 @@ def test_a_unit_that_waited_for_a_deletion_still_has_its_receipt(make_monitor, t
     coord.close()
 
 
+def _two_kept_and_step_1_committed(make_monitor, root: str, is_sd: bool):
+    """A monitor that keeps two of the kind (no commit retries) and a coordinator; step 1 of the
+    kind committed and its retention pass over."""
+    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
+    assert ray.get(monitor.wait_retention.remote(60))
+    return monitor, coord
+
+
 def _save_step_3(coord, is_sd: bool) -> None:
     """Register step 3 for a state dict or a full checkpoint, and save its one unit."""
     coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
@@ -168,9 +178,7 @@ def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(m
     helper-52's attack (session 34)."""
     is_sd = kind is Kind.STATE_DICT
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
+    monitor, coord = _two_kept_and_step_1_committed(make_monitor, root, is_sd)
     commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
     assert ray.get(monitor.wait_retention.remote(60))
     gate = str(tmp_path / "gate")
@@ -197,6 +205,23 @@ def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(m
     coord.close()
 
 
+def _step_3_about_to_be_taken_back_while_a_pass_waits_to_scan(monitor, coord, is_sd: bool, settle: str) -> None:
+    """Step 2 commits; the retention pass that follows is held before its scan (armed by the
+    caller), after it read what was in flight. Step 3 is then saved, its publish raises and
+    cannot be read back, and its settling is held (until ``settle`` exists) right before it
+    takes the manifest back: visible, its commit in flight."""
+    commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
+    wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
+    arm_in_monitor(monitor, "before_retention_scan", None)
+    arm_in_monitor(monitor, "after_publish", "raise")
+    arm_in_monitor(monitor, "settle_read", "raise")
+    arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
+    _save_step_3(coord, is_sd)
+    wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
+    arm_in_monitor(monitor, "after_publish", None)
+    arm_in_monitor(monitor, "settle_read", None)
+
+
 @pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
 def test_a_pass_does_not_count_a_manifest_whose_commit_began_after_it_read_what_was_in_flight(
         make_monitor, tmp_path, kind):
@@ -207,23 +232,11 @@ def test_a_pass_does_not_count_a_manifest_whose_commit_began_after_it_read_what_
     attack (session 34)."""
     is_sd = kind is Kind.STATE_DICT
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
-    assert ray.get(monitor.wait_retention.remote(60))
+    monitor, coord = _two_kept_and_step_1_committed(make_monitor, root, is_sd)
     scan, settle = str(tmp_path / "scan"), str(tmp_path / "settle")
     arm_in_monitor(monitor, "before_retention_scan", f"until:60:{scan}")
     try:
-        commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
-        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
-        arm_in_monitor(monitor, "before_retention_scan", None)
-        arm_in_monitor(monitor, "after_publish", "raise")
-        arm_in_monitor(monitor, "settle_read", "raise")
-        arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
-        _save_step_3(coord, is_sd)
-        wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
-        arm_in_monitor(monitor, "after_publish", None)
-        arm_in_monitor(monitor, "settle_read", None)
+        _step_3_about_to_be_taken_back_while_a_pass_waits_to_scan(monitor, coord, is_sd, settle)
         open(scan, "w").close()  # the pass scans 1, 2 and 3
         assert ray.get(monitor.wait_retention.remote(60))
         assert os.path.exists(f"{ckptd.step_dir(root, 1)}/{MANIFESTS[kind]}")
@@ -249,23 +262,11 @@ def test_a_counted_manifest_taken_back_between_the_scan_and_a_deletion_keeps_the
     taken back, and deleted 1."""
     is_sd = kind is Kind.STATE_DICT
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0, max_state_dict_to_keep=2, max_ckpt_to_keep=None if is_sd else 2)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "weights.bin", is_state_dict=is_sd)
-    assert ray.get(monitor.wait_retention.remote(60))
+    monitor, coord = _two_kept_and_step_1_committed(make_monitor, root, is_sd)
     scan, settle, planned = (str(tmp_path / name) for name in ("scan", "settle", "planned"))
     arm_in_monitor(monitor, "before_retention_scan", f"until:60:{scan}")
     try:
-        commit_one(coord, 2, "weights.bin", is_state_dict=is_sd)
-        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
-        arm_in_monitor(monitor, "before_retention_scan", None)
-        arm_in_monitor(monitor, "after_publish", "raise")
-        arm_in_monitor(monitor, "settle_read", "raise")
-        arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
-        _save_step_3(coord, is_sd)
-        wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
-        arm_in_monitor(monitor, "after_publish", None)
-        arm_in_monitor(monitor, "settle_read", None)
+        _step_3_about_to_be_taken_back_while_a_pass_waits_to_scan(monitor, coord, is_sd, settle)
         arm_in_monitor(monitor, "after_retention_plan", f"until:60:{planned}")
         open(scan, "w").close()  # the pass scans 1, 2 and 3, counts 2 and 3, and plans to delete 1
         wait_for(lambda: held_at(monitor, "after_retention_plan"), what="the pass's plan")

@@ -228,6 +228,7 @@ class Mirror:
             self.enqueue(step)
         self._startup_local = {}
         self._ready = True
+        self._release_all_waiters()  # a wait begun before may be on a step the mirror holds already
         self._on_change()
         while True:
             step = self._next_due() if self._fenced is None else None  # fenced: until lifted
@@ -277,8 +278,7 @@ class Mirror:
             log.error("step %d: %s", step, rec.error)
             self._fenced = str(e)
             self._queue.add(step)
-            for waiting in list(self._events):
-                self._release_waiters(waiting)
+            self._release_all_waiters()
         except LocalCopyError as e:
             rec.state, rec.error = MirrorState.ABANDONED, f"not mirrored: {e}"
             log.error("step %d: %s", step, rec.error)
@@ -313,6 +313,10 @@ class Mirror:
                 self._on_upload(step, started, rec.finished_at or time.time(),
                                 None if rec.state == MirrorState.MIRRORED else rec.error or rec.state.value,
                                 f"{rec.bytes} bytes, attempt {rec.attempts}")
+
+    def _release_all_waiters(self) -> None:
+        for step in list(self._events):
+            self._release_waiters(step)
 
     def _release_waiters(self, step: int) -> None:
         event = self._events.pop(step, None)

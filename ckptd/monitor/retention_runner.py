@@ -198,14 +198,15 @@ class RetentionRunner:
 
     def _unsure(self, step: int) -> bool:
         """Whether a step the plan counted may not stay: a manifest the scan saw belongs to a commit
-        still in flight (begun after the pass read what was: its publish may yet be taken back), or
-        its state dict or a kind the scan saw committed failed since the pass began (withdrawn, or
-        a publish taken back)."""
-        for k in {*self._counted_kinds.get(step, ()), Kind.STATE_DICT}:
+        still in flight (begun after the pass read what was: its publish may yet be taken back) or
+        back to pending (taken back, its retry deferred), or its state dict or a kind the scan saw
+        committed failed since the pass began (withdrawn, or a publish taken back)."""
+        counted = self._counted_kinds.get(step, frozenset())
+        for k in {*counted, Kind.STATE_DICT}:
             state = self._ledger.state_of(step, k)
             if state is StepState.FAILED and (step, k) not in self._failed_before:
                 return True
-            if state is StepState.COMMITTING and k in self._counted_kinds.get(step, ()):
+            if state in (StepState.COMMITTING, StepState.PENDING) and k in counted:
                 return True
         return False
 

@@ -12,8 +12,19 @@ import threading
 import pytest
 
 import ckptd
+from ckptd.layout import TRACKERS
 
-from .helpers import commit_one, disk_full, in_thread, read_manifest, tracker_of, write_file
+from .helpers import (
+    commit_one,
+    disk_full,
+    in_thread,
+    read_manifest,
+    restart_monitor,
+    status,
+    tracker_of,
+    wait_for,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -102,4 +113,35 @@ def test_a_failed_state_dict_is_answered_failed_and_an_unregistered_step_still_w
     assert outcome == "raised" and "step 4 failed" in str(error) and "disk full" in str(error), (outcome, error)
     with pytest.raises(TimeoutError):  # a registration for step 9 may still come
         coord.wait_mirrored(9, timeout_s=0.5)
+    coord.close()
+
+
+def test_a_wait_begun_before_a_restarted_mirror_could_be_read_ends_once_it_is(make_monitor, tmp_path):
+    """Step 1 is on the mirror; the monitor restarts while the mirror's tracker cannot be read,
+    so the restarted mirror is still reading the mirror's state when the wait on step 1 begins.
+    Only an upload of step 1 woke that wait, and step 1 is never uploaded again: it waited until
+    its timeout, or forever. Found by helper-55's attack."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "retry_backoff_s": 0.2})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    coord.wait_mirrored(1, timeout_s=DEADLINE_S)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    tracker = os.path.join(mirror, TRACKERS[CKPT])
+    os.rename(tracker, f"{tracker}.away")
+    os.mkdir(tracker)  # the mirror's tracker cannot be read
+    try:
+        restart_monitor(monitor)
+        wait_for(lambda: status(monitor).mirror.start_error, what="the restarted mirror failing to read the mirror")
+        # Known locally, settled, a state dict only: answered without the mirror.
+        outcome, error = in_thread(lambda: coord.wait_mirrored(2, timeout_s=None), DEADLINE_S)
+        assert outcome == "raised" and "state dict only" in str(error), (outcome, error)
+        waiter, result = _waiting_for_the_mirror(coord, 1)
+        assert not result, f"the wait on step 1 was answered before the mirror could be read: {result}"
+    finally:
+        os.rmdir(tracker)
+        os.rename(f"{tracker}.away", tracker)
+    waiter.join(DEADLINE_S)
+    assert result == [("ok", None)], result
+    assert status(monitor).mirror.start_error is None
     coord.close()

@@ -13,6 +13,7 @@ coordinators and files under ``tmp_path``; nothing mocked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -30,6 +31,7 @@ from .helpers import (
     commit_one,
     held_at,
     in_thread,
+    ledger_states,
     status,
     step_dirs,
     two_state_dicts,
@@ -283,4 +285,74 @@ def test_a_counted_manifest_taken_back_between_the_scan_and_a_deletion_keeps_the
     left = [s for s in (1, 2, 3) if os.path.exists(f"{ckptd.step_dir(root, s)}/{MANIFESTS[kind]}")]
     assert left == [1, 2], f"retention kept {left} of the two newest committed"
     assert_trackers_verified(root)
+    coord.close()
+
+
+@pytest.mark.parametrize("unit_then", ["ends", "rewrites the state dict's file"])
+def test_a_counted_manifest_taken_back_and_deferred_keeps_the_older_step(make_monitor, tmp_path, unit_then):
+    """Step 3's state dict publish is taken back after the scan counted it, and its retry is put
+    back to pending: a checkpoint unit of step 3 running beside it wrote a file meanwhile. The
+    last look took pending for settled and deleted state dict 1: one of two kept until 3 commits,
+    and for good when the unit then rewrites 3's file (3 fails). Found by helper-55's attack."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=1, max_state_dict_to_keep=2)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    assert ray.get(monitor.wait_retention.remote(60))
+    scan, settle, planned = (str(tmp_path / name) for name in ("scan", "settle", "planned"))
+    began, write, finish = threading.Event(), threading.Event(), threading.Event()
+    step_dir = coord.step_dir(3)
+
+    def checkpoint_unit() -> list[str]:
+        began.set()
+        assert write.wait(60), "the test never let the unit write"
+        write_file(f"{step_dir}/optim.bin", os.urandom(256))
+        assert finish.wait(60), "the test never let the unit end"
+        if unit_then != "ends":
+            write_file(f"{step_dir}/weights.bin", os.urandom(64))
+        return [f"{step_dir}/optim.bin"]
+
+    arm_in_monitor(monitor, "before_retention_scan", f"until:60:{scan}")
+    try:
+        commit_one(coord, 2, "weights.bin", is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), what="the pass held before its scan")
+        arm_in_monitor(monitor, "before_retention_scan", None)
+        coord.register(3, checkpoint_thread_count=1)
+        coord.register(3, is_state_dict=True, state_dict_thread_count=1)
+        coord.save_async("optim", checkpoint_unit, 3)
+        assert began.wait(60)
+        arm_in_monitor(monitor, "after_publish", "raise")
+        arm_in_monitor(monitor, "settle_read", "raise")
+        arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
+        coord.save_async("w3", lambda: write_file(f"{step_dir}/weights.bin", os.urandom(64)), 3, is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
+        arm_in_monitor(monitor, "after_publish", None)
+        arm_in_monitor(monitor, "settle_read", None)
+        arm_in_monitor(monitor, "after_retention_plan", f"until:60:{planned}")
+        open(scan, "w").close()  # the pass counts state dicts 2 and 3, and plans to delete 1
+        wait_for(lambda: held_at(monitor, "after_retention_plan"), what="the pass's plan")
+        arm_in_monitor(monitor, "after_retention_plan", None)
+        write.set()
+        wait_for(lambda: os.path.exists(f"{step_dir}/optim.bin"), what="the checkpoint unit's file")
+        arm_in_monitor(monitor, "settle_remove", None)
+        open(settle, "w").close()
+        wait_for(lambda: ledger_states(monitor, 3)["state_dict"] == "pending", what="step 3 taken back and deferred")
+        assert not os.path.exists(f"{step_dir}/{MANIFESTS[Kind.STATE_DICT]}")
+        open(planned, "w").close()
+        assert ray.get(monitor.wait_retention.remote(60))
+        left = [s for s in (1, 2, 3) if os.path.exists(f"{ckptd.step_dir(root, s)}/{MANIFESTS[Kind.STATE_DICT]}")]
+        assert left == [1, 2], f"retention kept {left} of the two newest committed state dicts"
+    finally:
+        for gate in (scan, settle, planned):
+            open(gate, "w").close()
+        write.set()
+        finish.set()
+    outcome, _ = in_thread(lambda: coord.wait_committed(3, is_state_dict=True, timeout_s=60), 90)
+    assert outcome == ("ok" if unit_then == "ends" else "raised")
+    assert ray.get(monitor.wait_retention.remote(60))
+    left = [s for s in (1, 2, 3) if os.path.exists(f"{ckptd.step_dir(root, s)}/{MANIFESTS[Kind.STATE_DICT]}")]
+    assert left == ([2, 3] if unit_then == "ends" else [1, 2]), left
+    assert_trackers_verified(root)
+    with contextlib.suppress(ckptd.CheckpointSaveError):
+        coord.wait_all()  # the checkpoint of step 3 fails where its unit rewrote the state dict
     coord.close()

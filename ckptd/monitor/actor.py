@@ -85,6 +85,8 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
         self._committing: dict[int, asyncio.Event] = {}  # steps with a commit in flight
         self._registering: dict[int, int] = {}  # steps with registrations being written: no commit begins
+        self._arriving: dict[int, int] = {}  # steps with registrations received, not yet answered (Waits)
+        self._arrived: dict[int, asyncio.Event] = {}  # set once a step has none arriving any more
         self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failure records being written
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
@@ -209,6 +211,20 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
             )
         except (CheckpointConfigError, ValueError) as e:
             return {"error": {"type": type(e).__name__, "message": str(e)}}
+        # Until answered, it may be what a wait on the step's mirror needs to know of (Waits).
+        self._arriving[reg.step] = self._arriving.get(reg.step, 0) + 1
+        try:
+            return await self._register(reg)
+        finally:
+            left = self._arriving.pop(reg.step) - 1
+            if left:
+                self._arriving[reg.step] = left
+            else:
+                arrived = self._arrived.pop(reg.step, None)
+                if arrived is not None:
+                    arrived.set()
+
+    async def _register(self, reg: Registration) -> dict:
         while True:
             await self.quiesce(reg.step)  # a commit in flight must not be told about new units
             try:

@@ -68,6 +68,9 @@ class Waits:
                     return found if found["mirrored"] or found["error"] else {"mirrored": False, "error": why}
                 settling = [asyncio.ensure_future(self._event(step, k).wait()) for k in Kind
                             if not self._settled(step, k)]
+                if step in self._arriving:
+                    arrived = self._arrived.setdefault(step, asyncio.Event())
+                    settling.append(asyncio.ensure_future(arrived.wait()))
                 try:
                     await asyncio.wait([mirrored, *settling], return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -90,6 +93,8 @@ class Waits:
 
         if all(failed(k) for k in kinds):
             return failure(kinds[0])
+        if step in self._arriving:
+            return None  # a registration of the step the monitor has not applied yet (a full checkpoint?)
         known = [k for k in Kind if self._settled(step, k) or self._could_settle(step, k)]
         if not known or not all(self._settled(step, k) for k in known):
             return None  # nothing of the step registered yet (one may come), or some of it in flight
@@ -98,6 +103,7 @@ class Waits:
         committed = [k for k in known if not failed(k)]
         if not committed:
             return failure(known[0])
-        return (f"not mirrored: step {step} committed a state dict only, and this mirror copies full checkpoints "
-                f"only; register a full checkpoint of the step, or start the monitor with "
-                f"mirror={{'url': ..., 'state_dicts': True}} to mirror state dicts too")
+        return (f"not mirrored: step {step} committed a state dict only, and nothing else of it has reached the "
+                f"monitor; this mirror copies full checkpoints only. Register a full checkpoint of the step before "
+                f"waiting, or start the monitor with mirror={{'url': ..., 'state_dicts': True}} to mirror state "
+                f"dicts too")

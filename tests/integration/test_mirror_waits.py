@@ -10,13 +10,16 @@ import os
 import threading
 
 import pytest
+import ray
 
 import ckptd
 from ckptd.layout import TRACKERS
 
 from .helpers import (
+    arm_in_monitor,
     commit_one,
     disk_full,
+    held_at,
     in_thread,
     read_manifest,
     restart_monitor,
@@ -145,3 +148,45 @@ def test_a_wait_begun_before_a_restarted_mirror_could_be_read_ends_once_it_is(ma
     assert result == [("ok", None)], result
     assert status(monitor).mirror.start_error is None
     coord.close()
+
+
+def test_a_full_checkpoint_registration_held_behind_the_state_dicts_commit_is_waited_for(make_monitor, tmp_path):
+    """Another worker's registration of step 2's full checkpoint reached the monitor while step
+    2's state dict was committing, and waits there for that commit to end: the wait on the
+    step's mirror, woken by the state dict's commit, must count it. It answered "state dict
+    only", and the step was then mirrored. Found by helper-56's attack."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror})
+    a = ckptd.CheckpointCoordinator(monitor, worker_id="a")
+    b = ckptd.CheckpointCoordinator(monitor, worker_id="b")
+    commit_one(a, 1, "model.bin", is_state_dict=False)
+    a.wait_mirrored(1, timeout_s=DEADLINE_S)
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_manifest", f"until:{DEADLINE_S:g}:{gate}")
+    try:
+        a.register(2, is_state_dict=True, state_dict_thread_count=1)
+        path = f"{a.step_dir(2)}/weights.bin"
+        a.save_async("weights", lambda: write_file(path, os.urandom(64)), 2, is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "before_manifest"), what="step 2's state dict commit held")
+        waiter, result = _waiting_for_the_mirror(a, 2)
+        assert not result, f"the wait on step 2 was answered while its state dict was committing: {result}"
+        registered: list = []
+        registration = threading.Thread(target=lambda: registered.append(
+            in_thread(lambda: b.register(2, checkpoint_thread_count=1), DEADLINE_S)), daemon=True)
+        registration.start()
+        wait_for(lambda: ray.get(monitor.__ray_call__.remote(lambda self: 2 in self._arriving)),
+                 what="b's registration of step 2 in the monitor, behind the commit")
+        assert not registered, registered
+        arm_in_monitor(monitor, "before_manifest", None)
+    finally:
+        open(gate, "w").close()
+    registration.join(DEADLINE_S)
+    assert registered == [("ok", None)], registered
+    path = f"{b.step_dir(2)}/optim.bin"
+    b.save_async("optim", lambda: write_file(path, os.urandom(64)), 2)
+    b.wait_committed(2, timeout_s=DEADLINE_S)
+    waiter.join(DEADLINE_S)
+    assert result == [("ok", None)], f"the wait said {result}, and step 2 was mirrored"
+    assert read_manifest(mirror, 2, CKPT) is not None
+    a.close()
+    b.close()

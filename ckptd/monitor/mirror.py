@@ -118,6 +118,7 @@ class Mirror:
         self._wake = asyncio.Event()
         self._ready = False
         self._startup_local = {s: kinds for s, kinds in local_committed.items() if kinds & self._kinds}
+        self._dropped: set[int] = set()  # of those, the ones the mirror's retention would delete at once
         self._trackers: dict[Kind, int | None] = dict.fromkeys(Kind)
         self._lock = threading.Lock()
         self._retried = 0
@@ -135,6 +136,7 @@ class Mirror:
 
     def enqueue(self, step: int) -> None:
         """Upload ``step`` (just committed locally) when its turn comes."""
+        self._dropped.discard(step)
         if step == self._current:
             self._again.add(step)
             return
@@ -180,6 +182,11 @@ class Mirror:
                 return {"mirrored": False, "error": rec.error}
             if self._fenced is not None:
                 return {"mirrored": False, "error": f"not mirrored: {self._fenced}"}
+            if rec is None and step in self._dropped:
+                return {"mirrored": False, "error": (
+                    f"not mirrored: step {step} was committed while no monitor uploaded it, and the mirror holds "
+                    f"newer steps that its retention (max_ckpt_to_keep, max_state_dict_to_keep, keep_every_n_steps) "
+                    f"keeps instead: it stays on the local root only")}
             if rec is None and self._ready and step not in self._queue:
                 # With state dicts mirrored a step may have no other manifest (a full checkpoint
                 # counts as a state dict too).
@@ -215,7 +222,7 @@ class Mirror:
         while True:
             try:
                 self._trackers = await self._io(self._read_remote_trackers)
-                missing = await self._io(self._missing_on_mirror)
+                missing, self._dropped = await self._io(self._missing_on_mirror)
                 break
             except Exception as e:  # the mirror is unreachable: keep the local steps, try again
                 self._start_error = f"{type(e).__name__}: {e}"
@@ -346,19 +353,20 @@ class Mirror:
     def _read_remote_trackers(self) -> dict[Kind, int | None]:
         return {kind: newest_committed(self.remote, kind) for kind in Kind}
 
-    def _missing_on_mirror(self) -> list[int]:
+    def _missing_on_mirror(self) -> tuple[list[int], set[int]]:
         """The local steps (when the monitor started) that the mirror lacks, whole or a manifest of,
         and that the mirror's retention would keep: a step an earlier monitor failed to upload
-        goes up now even if newer ones made it, unless the mirror would delete it at once."""
+        goes up now even if newer ones made it, unless the mirror would delete it at once (the
+        second value: those dropped)."""
         missing = {step: kinds for step, kinds in self._startup_local.items()
                    if not kinds <= manifests_of(self.remote, step, self._template)}
         if all(step > max(self._tracked(), default=-1) for step in missing):
-            return sorted(missing)  # the common case, without listing the mirror
+            return sorted(missing), set()  # the common case, without listing the mirror
         entries = {s: e for s, e in scan_steps(self.remote, self._template).items() if e.committed}
         entries.update({step: StepEntry(step, "", kinds) for step, kinds in missing.items()})
         plan = plan_retention(entries, self._policy, protected=self._tracked(), failed=set())
-        dropped = {e.step for e in plan.delete}
-        return sorted(set(missing) - dropped)
+        dropped = {e.step for e in plan.delete} & set(missing)
+        return sorted(set(missing) - dropped), dropped
 
     def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
         # A step whose only manifest is a state dict counts when state dicts are mirrored.

@@ -190,3 +190,28 @@ def test_a_full_checkpoint_registration_held_behind_the_state_dicts_commit_is_wa
     assert read_manifest(mirror, 2, CKPT) is not None
     a.close()
     b.close()
+
+
+def test_a_step_the_restarted_mirror_leaves_to_its_retention_is_answered_not_mirrored(make_monitor, tmp_path):
+    """Step 1's upload failed and waits for its retry; steps 3 and 4 went up. A restarted monitor
+    does not upload step 1, since the mirror, which keeps two steps, would delete it at once: the
+    wait on step 1 waited for an upload that never came. Found by helper-56 (by reading)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, mirror={"url": mirror, "max_ckpt_to_keep": 2, "retries": 0,
+                                         "retry_after_s": 600})
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    arm_in_monitor(monitor, "after_mirror_file", "raise")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    wait_for(lambda: any(s.step == 1 and s.error for s in status(monitor).mirror.steps),
+             what="step 1's upload failing")
+    arm_in_monitor(monitor, "after_mirror_file", None)
+    for step in (3, 4):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+        coord.wait_mirrored(step, timeout_s=DEADLINE_S)
+    restart_monitor(monitor)
+    outcome, error = in_thread(lambda: coord.wait_mirrored(1, timeout_s=None), DEADLINE_S)
+    assert outcome == "raised" and isinstance(error, ckptd.CheckpointError), (outcome, error)
+    assert "retention" in str(error) and "local root only" in str(error), error
+    assert read_manifest(mirror, 1, CKPT) is None and read_manifest(root, 1, CKPT) is not None
+    coord.wait_mirrored(3, timeout_s=DEADLINE_S)  # the mirror's own steps still answer
+    coord.close()

@@ -105,6 +105,9 @@ class Mirror:
         self._on_change = on_change
         self._on_upload = on_upload
         self._kinds = frozenset({Kind.CHECKPOINT, Kind.STATE_DICT} if opts.state_dicts else {Kind.CHECKPOINT})
+        # The manifest that makes a step one the mirror holds: with state dicts mirrored a step may
+        # have no other (and a full checkpoint counts as a state dict too).
+        self._step_kind = Kind.STATE_DICT if opts.state_dicts else Kind.CHECKPOINT
         # Without state dicts on the mirror, every step there is a full checkpoint.
         keep_sd = opts.max_state_dict_to_keep if opts.state_dicts else opts.max_ckpt_to_keep
         self._policy = RetentionPolicy(opts.max_ckpt_to_keep, keep_sd, opts.keep_every_n_steps)
@@ -188,10 +191,7 @@ class Mirror:
                     f"newer steps that its retention (max_ckpt_to_keep, max_state_dict_to_keep, keep_every_n_steps) "
                     f"keeps instead: it stays on the local root only")}
             if rec is None and self._ready and step not in self._queue:
-                # With state dicts mirrored a step may have no other manifest (a full checkpoint
-                # counts as a state dict too).
-                kind = Kind.STATE_DICT if Kind.STATE_DICT in self._kinds else Kind.CHECKPOINT
-                if await self._io(is_committed, self.remote, step, kind):  # mirrored by an earlier monitor
+                if await self._io(is_committed, self.remote, step, self._step_kind):  # by an earlier monitor
                     return {"mirrored": True, "error": None}
             event = self._events.setdefault(step, asyncio.Event())
             left = None if deadline is None else deadline - time.monotonic()
@@ -369,10 +369,8 @@ class Mirror:
         return sorted(set(missing) - dropped), dropped
 
     def _read_local(self, step: int) -> tuple[str, dict[Kind, bytes], dict[str, FileEntry]]:
-        # A step whose only manifest is a state dict counts when state dicts are mirrored.
-        kind = Kind.STATE_DICT if Kind.STATE_DICT in self._kinds else Kind.CHECKPOINT
         try:
-            committed = open_step(self._local, step, kind)
+            committed = open_step(self._local, step, self._step_kind)
         except CheckpointError as e:
             raise LocalCopyError(f"step {step} cannot be read under {self._local.url}: {e}") from e
         # Every manifest of the step, not only the mirrored kinds': a pipeline may list a step's

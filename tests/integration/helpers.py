@@ -586,14 +586,19 @@ def replace_same_size(path: str) -> None:
     write_file(path, os.urandom(os.path.getsize(path)))
 
 
-def commit_one(coord, step: int, rel: str, is_state_dict: bool, timeout_s: float = 60.0) -> None:
-    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
+def save_one(coord, step: int, rel: str, is_state_dict: bool) -> None:
+    """Register ``step`` for one unit of the kind, and start that unit, writing ``rel``."""
     if is_state_dict:
         coord.register(step, is_state_dict=True, state_dict_thread_count=1)
     else:
         coord.register(step, checkpoint_thread_count=1)
     path = f"{coord.step_dir(step)}/{rel}"
     coord.save_async(f"u{step}-{rel}", lambda: write_file(path, os.urandom(4096)), step, is_state_dict=is_state_dict)
+
+
+def commit_one(coord, step: int, rel: str, is_state_dict: bool, timeout_s: float = 60.0) -> None:
+    """One unit of ``step`` writing ``rel``; waits until the kind commits."""
+    save_one(coord, step, rel, is_state_dict)
     coord.wait_committed(step, is_state_dict=is_state_dict, timeout_s=timeout_s)
 
 

@@ -23,6 +23,7 @@ from .helpers import (
     in_thread,
     read_manifest,
     restart_monitor,
+    save_one,
     status,
     tracker_of,
     wait_for,
@@ -164,9 +165,7 @@ def test_a_full_checkpoint_registration_held_behind_the_state_dicts_commit_is_wa
     gate = str(tmp_path / "gate")
     arm_in_monitor(monitor, "before_manifest", f"until:{DEADLINE_S:g}:{gate}")
     try:
-        a.register(2, is_state_dict=True, state_dict_thread_count=1)
-        path = f"{a.step_dir(2)}/weights.bin"
-        a.save_async("weights", lambda: write_file(path, os.urandom(64)), 2, is_state_dict=True)
+        save_one(a, 2, "weights.bin", is_state_dict=True)
         wait_for(lambda: held_at(monitor, "before_manifest"), what="step 2's state dict commit held")
         waiter, result = _waiting_for_the_mirror(a, 2)
         assert not result, f"the wait on step 2 was answered while its state dict was committing: {result}"

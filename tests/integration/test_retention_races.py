@@ -32,6 +32,7 @@ from .helpers import (
     held_at,
     in_thread,
     ledger_states,
+    save_one,
     status,
     step_dirs,
     two_state_dicts,
@@ -164,14 +165,6 @@ def _two_kept_and_step_1_committed(make_monitor, root: str, is_sd: bool):
     return monitor, coord
 
 
-def _save_step_3(coord, is_sd: bool) -> None:
-    """Register step 3 for a state dict or a full checkpoint, and save its one unit."""
-    coord.register(3, **({"is_state_dict": True, "state_dict_thread_count": 1} if is_sd
-                         else {"checkpoint_thread_count": 1}))
-    coord.save_async("w3", lambda: write_file(f"{coord.step_dir(3)}/weights.bin", os.urandom(64)), 3,
-                     is_state_dict=is_sd)
-
-
 @pytest.mark.parametrize("kind", [Kind.STATE_DICT, Kind.CHECKPOINT])
 def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(make_monitor, tmp_path, kind):
     """Two of ``kind`` are kept; 1 and 2 are committed. Step 3's manifest is visible, but its
@@ -187,7 +180,7 @@ def test_a_step_whose_publish_is_being_settled_does_not_count_toward_retention(m
     arm_in_monitor(monitor, "after_publish", "raise")
     arm_in_monitor(monitor, "settle_read", f"until:60:{gate}")
     try:
-        _save_step_3(coord, is_sd)
+        save_one(coord, 3, "weights.bin", is_sd)
         wait_for(lambda: held_at(monitor, "settle_read"), what="step 3's uncertain publish being settled")
         arm_in_monitor(monitor, "after_publish", None)
         arm_in_monitor(monitor, "settle_read", None)
@@ -218,7 +211,7 @@ def _step_3_about_to_be_taken_back_while_a_pass_waits_to_scan(monitor, coord, is
     arm_in_monitor(monitor, "after_publish", "raise")
     arm_in_monitor(monitor, "settle_read", "raise")
     arm_in_monitor(monitor, "settle_remove", f"until:60:{settle}")
-    _save_step_3(coord, is_sd)
+    save_one(coord, 3, "weights.bin", is_sd)
     wait_for(lambda: held_at(monitor, "settle_remove"), what="step 3's publish about to be taken back")
     arm_in_monitor(monitor, "after_publish", None)
     arm_in_monitor(monitor, "settle_read", None)

@@ -25,6 +25,7 @@ from .helpers import (
     in_thread,
     read_manifest,
     restart_monitor,
+    save_one,
     tracker_of,
     wait_for,
     write_file,
@@ -68,9 +69,7 @@ def test_a_withdrawal_does_not_fall_back_to_a_manifest_whose_publish_is_being_se
     arm_in_monitor(monitor, "after_publish", "raise")
     arm_in_monitor(monitor, "settle_sync", f"until:{DEADLINE_S:g}:{gate}")
     try:
-        coord.register(2, is_state_dict=True, state_dict_thread_count=1)
-        coord.save_async("weights", lambda: write_file(f"{coord.step_dir(2)}/weights.bin", os.urandom(64)), 2,
-                         is_state_dict=True)
+        save_one(coord, 2, "weights.bin", is_state_dict=True)
         wait_for(lambda: held_at(monitor, "settle_sync"), DEADLINE_S, "step 2's uncertain publish being settled")
         arm_in_monitor(monitor, "after_publish", None)
         assert read_manifest(root, 2, SD) is not None
@@ -328,9 +327,7 @@ def test_a_wait_for_the_mirror_is_told_of_a_failure_only_once_it_is_recorded(mak
     arm_in_monitor(monitor, "before_manifest", "raise")
     arm_in_monitor(monitor, "before_failure_record", f"until:{DEADLINE_S:g}:{gate}")
     try:
-        coord.register(2, is_state_dict=True, state_dict_thread_count=1)
-        coord.save_async("weights", lambda: write_file(f"{coord.step_dir(2)}/weights.bin", os.urandom(64)), 2,
-                         is_state_dict=True)
+        save_one(coord, 2, "weights.bin", is_state_dict=True)
         wait_for(lambda: held_at(monitor, "before_failure_record"), DEADLINE_S, "the failure record held")
         arm_in_monitor(monitor, "before_manifest", None)
         with pytest.raises(TimeoutError):  # not failed yet: the record is not written

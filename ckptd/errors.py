@@ -34,7 +34,10 @@ class FailpointError(CheckpointError):
 
 
 class CheckpointSaveError(CheckpointError, RuntimeError):
-    """A save unit failed, so its step will never be committed.
+    """A save unit failed: its data is in no manifest. Its step (of that kind) then fails too and
+    is never committed, unless the unit was not part of a commit already in flight (it failed,
+    or timed out, before it was admitted); such a commit goes on without it (docs/contract.md).
+    ``wait_committed`` says which happened.
 
     Args:
         step: The training step whose save failed.

@@ -36,8 +36,9 @@ class FailpointError(CheckpointError):
 class CheckpointSaveError(CheckpointError, RuntimeError):
     """A save unit failed: its data is in no manifest. Its step (of that kind) then fails too and
     is never committed, unless the unit was not part of a commit already in flight (it failed,
-    or timed out, before it was admitted); such a commit goes on without it (docs/contract.md).
-    ``wait_committed`` says which happened.
+    or timed out, before it was admitted); such a commit goes on without it (docs/contract.md),
+    and ``cause`` then ends with the monitor's words for it. ``wait_committed`` says how the step
+    ends.
 
     Args:
         step: The training step whose save failed.

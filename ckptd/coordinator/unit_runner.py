@@ -228,11 +228,15 @@ class UnitRunner:
             protocol.write_failed(self._storage, self._attempt, unit, failure)
         except Exception as e:
             log.error("could not write the failure receipt of %s: %s", unit.label, e)
+        cause = failure.cause
         try:
-            self._client.notify(("failed", unit.to_dict(), failure.model_dump()))
+            answer = self._client.notify(("failed", unit.to_dict(), failure.model_dump()))
         except Exception as e:
             log.error("could not report the failure of %s to the monitor: %s", unit.label, e)
-        err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, failure.cause)
+        else:
+            if isinstance(answer, dict) and answer.get("kept"):  # the step goes on without the unit
+                cause = f"{cause} ({answer['kept']})"
+        err = CheckpointSaveError(unit.step, unit.kind.value, unit.label, cause)
         err.__cause__ = exc
         return err
 

@@ -36,7 +36,9 @@ class UnitReports:
         step is committed or failed, else ``{"admitted": True}``. ``("finished", unit,
         {"files": [...], "found": bool})`` (``found``: the files were found by time) answers
         ``{"refused": why}`` for a unit that cannot count (its step committed meanwhile, or it
-        changed a committed file), else None. ``("failed", unit, failure)`` answers None.
+        changed a committed file), else None. ``("failed", unit, failure)`` answers None when
+        the unit's kind of its step fails with it (the usual case), or ``{"kept": why}`` when it
+        does not: that kind was committed, or being committed, without the unit.
         A notification the monitor cannot read is refused alone (and fails its unit if it reports
         the unit's end); the others of its batch still apply.
         """
@@ -71,8 +73,8 @@ class UnitReports:
                 files, found = parsed
                 results.append(await self._finished(uid, files, found))
             else:
-                await self._failed(uid, parsed)
-                results.append(None)
+                kept = await self._failed(uid, parsed)
+                results.append(None if kept is None else {"kept": kept})
         return results
 
     async def _unreadable(self, event: str, unit: Any, error: Exception) -> dict | None:
@@ -240,16 +242,20 @@ class UnitReports:
         return [f.path for f in files
                 if f.path in committed and (committed[f.path].size, committed[f.path].crc32) != (f.size, f.crc32)]
 
-    async def _failed(self, uid: UnitId, failure: UnitFailure) -> None:
+    async def _failed(self, uid: UnitId, failure: UnitFailure) -> str | None:
+        """Record the failure of a unit; None if its kind of its step fails with it, else why not."""
         self._release_slot(uid)
         rec = self._ledger.fail(uid, failure, time.time())
         unit = rec.units.get(uid.key)
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
             self._metrics.inc(FAILED_UNITS, kind=uid.kind)
+        # Read before anything below awaits: what this failure did to the unit's kind.
+        kept = _kept_without(rec, uid)
         if not (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded):
             # Else the full checkpoint failed now, and recording that failure checks (_record_failure).
             await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
         await self._after_change(rec)
+        return kept
 
     async def withdraw_if_changed(self, rec: StepRecord, after: str) -> bool:
         """Withdraw the committed state dict of ``rec`` if storage no longer holds the files its
@@ -301,6 +307,26 @@ class UnitReports:
         return (f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
                 "lists (replaced since it committed): committed files must not change, so that state dict is "
                 "withdrawn. Write the full checkpoint's files under other names, or save into a new step")
+
+
+def _kept_without(rec: StepRecord, uid: UnitId) -> str | None:
+    """Why the failure of ``uid`` leaves its kind of the step as it is, or None if it does not:
+    that kind was committed, or being committed, without the unit (it was not admitted into that
+    commit), or the unit's report of its files came first and counts."""
+    what = "checkpoint" if uid.kind is CKPT else "state dict"
+    unit = rec.units.get(uid.key)
+    if unit is not None and unit.files is not None:  # a "failed" after its own "finished" is ignored
+        return (f"this does not fail step {rec.step}'s {what}: the monitor already had this unit's report of "
+                "its files, which count; wait_committed says how the step ends")
+    state = rec[uid.kind].state
+    if state not in (StepState.COMMITTED, StepState.COMMITTING):
+        return None
+    how = "was committed" if state is StepState.COMMITTED else "was already being committed"
+    also = ""
+    if uid.kind is SD and rec[CKPT].state is StepState.FAILED and rec[CKPT].failed_unit == uid.label:
+        also = f"; step {rec.step}'s full checkpoint, which needed this unit, fails"
+    return (f"this does not fail step {rec.step}'s {what}, which {how} without this unit (it was not admitted "
+            f"into that commit){also}; wait_committed says how the step ends")
 
 
 def _parse(event: str, unit: Any, payload: Any) -> tuple[UnitId, Any]:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import ray
@@ -114,9 +115,55 @@ def test_a_failure_of_a_new_unit_during_a_commit_does_not_fail_the_step(make_mon
     wait_for(lambda: _committing(monitor, 3), what="the commit")
     unit = {"worker": "late", "name": "x", "step": 3, "kind": "checkpoint", "call": "late-1"}
     failure = {"unit": "late/x", "error_type": "OSError", "message": "boom", "traceback": ""}
-    ray.get(monitor.notify_batch.remote([("failed", unit, failure)]))
+    (answer,) = ray.get(monitor.notify_batch.remote([("failed", unit, failure)]))
+    # The unit's worker is told that its failure leaves the step as it is (the commit may have
+    # ended by the time the notification is applied, on a loaded machine).
+    assert "does not fail step 3's checkpoint, which was" in answer["kept"], answer
+    assert "without this unit" in answer["kept"], answer
     coord.wait_committed(3, timeout_s=30)  # it is committed, and says so
     assert tracker(root) == 3 and status(monitor).step(3).state.value == "committed"
+
+
+def test_a_save_error_says_when_its_failure_leaves_the_step_committed(make_monitor, tmp_path):
+    """A state-dict unit saved after its step's state dict committed (Trinity's full checkpoint
+    of a step, which holds its weights too) fails: the state dict stays committed and the full
+    checkpoint fails. The error ``wait_all`` raises, of kind state_dict, says both, so it is not
+    read as the state dict having failed; an ordinary failure says nothing of the kind."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+
+    def boom():
+        raise OSError("disk full")
+
+    coord.register(1, is_state_dict=True, state_dict_thread_count=1)
+    coord.save_async("m", boom, 1, is_state_dict=True)
+    with pytest.raises(ckptd.CheckpointSaveError) as ordinary:
+        coord.wait_all()
+    assert "disk full" in str(ordinary.value) and "does not fail" not in str(ordinary.value)
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(2)}/model.bin", b"m")], 2, is_state_dict=True)
+    coord.register(2, is_state_dict=True, state_dict_thread_count=1)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=30)
+    registered = threading.Event()
+
+    def boom_once_registered():  # so that the registration does not meet a step already failed
+        registered.wait(30)
+        boom()
+
+    coord.save_async("optim", boom_once_registered, 2, is_state_dict=True)
+    coord.register(2, state_dict_thread_count=1)
+    registered.set()
+    with pytest.raises(ckptd.CheckpointSaveError) as kept:
+        coord.wait_all()
+    message = str(kept.value)
+    assert kept.value.kind == "state_dict" and "disk full" in message, message
+    assert "does not fail step 2's state dict, which was committed without this unit" in message, message
+    assert "step 2's full checkpoint, which needed this unit, fails" in message, message
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(2, timeout_s=30)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=30)
+    assert tracker(root, Kind.STATE_DICT) == 2 and tracker(root) is None
+    coord.close()
 
 
 def test_a_late_report_never_withdraws_a_committed_checkpoints_state_dict(make_monitor, tmp_path):

@@ -314,11 +314,13 @@ def _kept_without(rec: StepRecord, uid: UnitId) -> str | None:
     that kind was committed, or being committed, without the unit (it was not admitted into that
     commit), or the unit's report of its files came first and counts."""
     what = "checkpoint" if uid.kind is CKPT else "state dict"
+    state = rec[uid.kind].state
+    if state is StepState.FAILED:  # by this unit, or before it: the step fails either way
+        return None
     unit = rec.units.get(uid.key)
     if unit is not None and unit.files is not None:  # a "failed" after its own "finished" is ignored
         return (f"this does not fail step {rec.step}'s {what}: the monitor already had this unit's report of "
                 "its files, which count; wait_committed says how the step ends")
-    state = rec[uid.kind].state
     if state not in (StepState.COMMITTED, StepState.COMMITTING):
         return None
     how = "was committed" if state is StepState.COMMITTED else "was already being committed"

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import zlib
 
 import pytest
 import ray
@@ -163,6 +164,44 @@ def test_a_save_error_says_when_its_failure_leaves_the_step_committed(make_monit
         coord.wait_committed(2, timeout_s=30)
     coord.wait_committed(2, is_state_dict=True, timeout_s=30)
     assert tracker(root, Kind.STATE_DICT) == 2 and tracker(root) is None
+    coord.close()
+
+
+def test_a_failure_reported_after_its_units_files_is_ignored_and_says_so(make_monitor, tmp_path):
+    """A unit's "finished" reached the monitor, and its worker, not knowing (the call's answer was
+    lost), reports the unit failed: the monitor keeps the files, which count, and says so."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    coord.register(4, checkpoint_thread_count=2)
+    unit = {"worker": "other", "name": "a", "step": 4, "kind": "checkpoint", "call": "other-1"}
+    (admitted,) = ray.get(monitor.notify_batch.remote([("started", unit, None)]))
+    assert admitted == {"admitted": True}
+    path = f"{coord.step_dir(4)}/a.bin"
+    write(path, b"the files of unit a")
+    st = os.stat(path)
+    entry = {"path": "a.bin", "size": st.st_size, "crc32": f"{zlib.crc32(b'the files of unit a'):08x}",
+             "mtime_ns": st.st_mtime_ns}
+    failure = {"unit": "other/a", "error_type": "RayError", "message": "the answer was lost", "traceback": ""}
+    answers = ray.get(monitor.notify_batch.remote([("finished", unit, {"files": [entry], "found": False}),
+                                                  ("failed", unit, failure)]))
+    assert answers[0] is None, answers
+    assert "does not fail step 4's checkpoint: the monitor already had this unit's report" in answers[1]["kept"]
+    coord.save_sync(lambda: [write(f"{coord.step_dir(4)}/b.bin", b"b")], 4)
+    coord.wait_committed(4, timeout_s=30)
+    assert sorted(f["path"] for f in manifest(root, 4)["files"]) == ["a.bin", "b.bin"]
+    # Once another unit failed the step, such a report says nothing more: the step fails.
+    coord.register(5, checkpoint_thread_count=2)
+    a5, b5 = ({**unit, "step": 5, "name": n, "call": f"other-5{n}"} for n in "ab")
+    write(f"{coord.step_dir(5)}/a.bin", b"the files of unit a")
+    st = os.stat(f"{coord.step_dir(5)}/a.bin")
+    answers = ray.get(monitor.notify_batch.remote([
+        ("started", a5, None), ("started", b5, None),
+        ("finished", a5, {"files": [{**entry, "mtime_ns": st.st_mtime_ns}], "found": False}),
+        ("failed", b5, {**failure, "unit": "other/b"}), ("failed", a5, failure)]))
+    assert answers[2:] == [None, None, None], answers
+    with pytest.raises(ckptd.CheckpointSaveError, match="the answer was lost"):
+        coord.wait_committed(5, timeout_s=30)
     coord.close()
 
 

@@ -301,7 +301,10 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
         if len(errors) > 1:
             others = ", ".join(f"step {e.step} {e.unit}" for e in errors[1:])
             cause += f" (and {len(errors) - 1} more failed saves: {others})"
-        raise CheckpointSaveError(first.step, first.kind, first.unit, cause) from first.__cause__
+        err = CheckpointSaveError(first.step, first.kind, first.unit, cause)
+        for other in errors[1:]:  # each with its own cause, which the summary above leaves out
+            add_note(err, f"also failed: {other}")
+        raise err from first.__cause__
 
     def close(self) -> None:
         """wait_all(), then stop the save threads. The coordinator cannot be used afterwards."""

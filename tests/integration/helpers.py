@@ -66,12 +66,13 @@ class SaveWorker:
 
 
 def wait_all(coord: ckptd.CheckpointCoordinator) -> str | None:
-    """coord.wait_all(), with a failed save's message returned instead of raised (across Ray)."""
+    """coord.wait_all(), with a failed save's message returned instead of raised (across Ray),
+    followed by its notes (the other saves that failed, each with its cause), one per line."""
     try:
         coord.wait_all()
         return None
     except ckptd.CheckpointSaveError as e:
-        return str(e)
+        return "\n".join([str(e), *getattr(e, "__notes__", [])])
 
 
 def failpoint_env(spec: str, once_dir=None) -> dict:

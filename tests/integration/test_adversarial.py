@@ -167,6 +167,31 @@ def test_a_save_error_says_when_its_failure_leaves_the_step_committed(make_monit
     coord.close()
 
 
+def test_a_wait_all_after_several_failures_gives_each_ones_cause(make_monitor, tmp_path):
+    """Two saves failed before one wait_all: the error is the first's, its message names the
+    second, and its notes give the second's own cause, which the message leaves out."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    for step, why in ((1, "disk full"), (2, "quota exceeded")):
+        coord.register(step, checkpoint_thread_count=1)
+
+        def boom(why=why):
+            raise OSError(why)
+
+        coord.save_async(f"m{step}", boom, step)
+        with pytest.raises(ckptd.CheckpointSaveError):
+            coord.wait_committed(step, timeout_s=30)  # both have failed before the wait_all
+    with pytest.raises(ckptd.CheckpointSaveError) as raised:
+        coord.wait_all()
+    assert "disk full" in str(raised.value) and "1 more failed saves: step 2 w/m2" in str(raised.value)
+    assert "quota exceeded" not in str(raised.value)
+    (note,) = raised.value.__notes__
+    assert note.startswith("also failed: checkpoint save of step 2 failed in unit 'w/m2'") and "quota exceeded" in note
+    assert wait_all(coord) is None  # reported once
+    coord.close()
+
+
 def test_a_failure_reported_after_its_units_files_is_ignored_and_says_so(make_monitor, tmp_path):
     """A unit's "finished" reached the monitor, and its worker, not knowing (the call's answer was
     lost), reports the unit failed: the monitor keeps the files, which count, and says so."""

@@ -32,11 +32,13 @@ class Probe:
 
 def where_am_i() -> str:
     """This process, in words an operator can act on: node id, host and pid."""
-    try:
-        node = ray.get_runtime_context().get_node_id()[:12]
-        ip = ray.util.get_node_ip_address()
-    except Exception:  # not connected to Ray (a plain script)
-        node, ip = "?", "?"
+    node, ip = "?", "?"  # not connected to Ray (a plain script): asking would start a local Ray
+    if ray.is_initialized():
+        try:
+            node = ray.get_runtime_context().get_node_id()[:12]
+            ip = ray.util.get_node_ip_address()
+        except Exception:
+            pass
     return f"node {node} ({socket.gethostname()}, {ip}) pid {os.getpid()}"
 
 

@@ -294,6 +294,28 @@ def test_a_subscriber_of_the_mirror_reads_it_directly(make_monitor, run_name, s3
         ray.kill(monitor, no_restart=True)
 
 
+def test_a_subscriber_in_a_process_without_ray_reads_the_root_and_starts_no_ray(make_monitor, run_name, tmp_path):
+    """A plain process (no ``ray.init``) subscribes by root: it reads the committed state there,
+    and constructing the subscriber starts no local Ray (asking Ray where the process runs did)."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="trainer")
+    publish(coord, 3)
+    coord.close()
+    code = ("import ray, ckptd\n"
+            f"sub = ckptd.WeightSubscriber(run={run_name!r}, name='plain', root={root!r})\n"
+            "print('ray started:', ray.is_initialized())\n"
+            "print('version:', sub.wait_for_version(timeout_s=30))\n"
+            "print('ray started:', ray.is_initialized())\n"
+            "sub.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["ray started: False", "version: 3", "ray started: False"], proc.stdout
+
+
 def test_a_subscriber_needs_a_monitor_or_a_root(ray_local):
     with pytest.raises(ckptd.CheckpointError, match="pass root="):
         ckptd.WeightSubscriber("nobody-runs-this")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from enum import Enum
 from typing import Any, Literal
 
@@ -33,6 +34,13 @@ class Kind(str, Enum):
 
     @classmethod
     def from_flag(cls, is_state_dict: bool) -> Kind:
+        """The kind ``is_state_dict`` names. Raises CheckpointConfigError for anything but a bool
+        (or an int 0 or 1): a string such as "no" would otherwise count as a state dict."""
+        if not isinstance(is_state_dict, bool) and not (isinstance(is_state_dict, numbers.Integral)
+                                                        and is_state_dict in (0, 1)):
+            raise CheckpointConfigError(
+                f"is_state_dict must be True (a state dict: weights only) or False (a full checkpoint), "
+                f"got {type(is_state_dict).__name__} {is_state_dict!r}")
         return cls.STATE_DICT if is_state_dict else cls.CHECKPOINT
 
 

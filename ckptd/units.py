@@ -1,4 +1,4 @@
-"""Validation of what identifies a save: steps, counts, ranks and names."""
+"""Validation of what identifies a save (steps, counts, ranks and names) and of wait timeouts."""
 
 from __future__ import annotations
 
@@ -28,6 +28,18 @@ def check_count(count: object, what: str) -> int:
     if count < 0:
         raise CheckpointConfigError(f"{what} must be >= 0, got {count}")
     return int(count)
+
+
+def check_timeout(timeout_s: object, what: str = "timeout_s") -> float | None:
+    """Return ``timeout_s`` as a float (None: no limit) if it is a number >= 0, else raise
+    CheckpointConfigError."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or timeout_s != timeout_s:
+        raise CheckpointConfigError(f"{what} must be a number of seconds >= 0 or None (no limit), got {timeout_s!r}")
+    if timeout_s < 0:
+        raise CheckpointConfigError(f"{what} must be >= 0 (or None: no limit), got {timeout_s}")
+    return float(timeout_s)
 
 
 def check_rank(rank: object, world_size: object) -> None:

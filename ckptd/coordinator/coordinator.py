@@ -101,6 +101,12 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
             raise CheckpointConfigError(f"writer must be one of {', '.join(map(repr, WRITERS))}, got {writer!r}")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
+        if not isinstance(checkpoint_monitor, ray.actor.ActorHandle):
+            hint = (f"; to attach to run {checkpoint_monitor!r}, pass ckptd.get_monitor({checkpoint_monitor!r})"
+                    if isinstance(checkpoint_monitor, str) else "")
+            raise CheckpointConfigError(
+                f"checkpoint_monitor must be the monitor's actor handle, which ckptd.start_monitor(root) returns, "
+                f"got {type(checkpoint_monitor).__name__}{hint}")
         self._client = MonitorClient(checkpoint_monitor, float(notify_timeout_s))
         cfg = self._client.call("worker_config")
         self._run = cfg["run"]

@@ -12,7 +12,7 @@ from ckptd import protocol
 from ckptd.config import Kind
 from ckptd.coordinator.registrar import Registrar
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, RegistrationConflictError
-from ckptd.units import check_count, check_step
+from ckptd.units import check_count, check_step, check_timeout
 
 
 class TrainerCalls:
@@ -119,9 +119,9 @@ class TrainerCalls:
             CheckpointError: the monitor knows nothing of the step and it is older than the
                 newest commit (deleted by retention before the monitor restarted, or never saved).
         """
-        kind = Kind.from_flag(is_state_dict)
+        kind, step, timeout_s = Kind.from_flag(is_state_dict), check_step(global_step), check_timeout(timeout_s)
         self._flush_registrations()  # a registration still on its way could be the step's last
-        result = self._client.call("wait_committed", check_step(global_step), kind.value, timeout_s,
+        result = self._client.call("wait_committed", step, kind.value, timeout_s,
                                    waits_s=timeout_s)
         if result["committed"]:
             return
@@ -141,8 +141,9 @@ class TrainerCalls:
             CheckpointError: the monitor has no mirror, or the step cannot be mirrored: it failed,
                 or it committed a state dict only and the mirror copies full checkpoints only.
         """
+        step, timeout_s = check_step(global_step), check_timeout(timeout_s)
         self._flush_registrations()  # a registration still on its way could be the step's full checkpoint
-        result = self._client.call("wait_mirrored", check_step(global_step), timeout_s, waits_s=timeout_s)
+        result = self._client.call("wait_mirrored", step, timeout_s, waits_s=timeout_s)
         if result["mirrored"]:
             return
         if result["error"] is None:

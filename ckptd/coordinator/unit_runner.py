@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -174,7 +174,7 @@ class UnitRunner:
         with direct_io.mode(self._storage.direct_io), publish_guard(fence):
             returned = save_fn()
             if returned is not None:
-                if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+                if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, Iterable):
                     raise CheckpointConfigError(
                         f"save_fn returned {type(returned).__name__}; return None or a list of the paths it wrote"
                     )

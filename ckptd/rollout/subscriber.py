@@ -34,7 +34,7 @@ from ckptd.protocol import actor_name, new_id
 from ckptd.rollout.weights import Weights
 from ckptd.shared_root import where_am_i
 from ckptd.storage import Storage
-from ckptd.units import check_name, check_step
+from ckptd.units import check_name, check_step, check_timeout
 
 log = logging.getLogger("ckptd.rollout")
 
@@ -393,8 +393,7 @@ class WeightSubscriber:
 def _check_wait(after: int | None, timeout_s: float | None) -> None:
     if after is not None:
         check_step(after, "after")
-    if timeout_s is not None and not timeout_s >= 0:
-        raise CheckpointConfigError(f"timeout_s must be >= 0 seconds or None, got {timeout_s}")
+    check_timeout(timeout_s)
 
 
 def _slice(remaining: float | None) -> float:

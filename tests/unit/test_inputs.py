@@ -10,18 +10,42 @@ import time
 import pytest
 
 from ckptd import failpoints
-from ckptd.config import MonitorOptions, SaveStrategy
+from ckptd.config import Kind, MonitorOptions, SaveStrategy
 from ckptd.errors import CheckpointConfigError, FailpointError
 from ckptd.layout import latest_step, step_dir
 from ckptd.shared_root import check_writable
 from ckptd.storage import Storage
-from ckptd.units import check_count, check_name, check_step
+from ckptd.units import check_count, check_name, check_step, check_timeout
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", None, True, 2.0])
 def test_bad_steps(bad):
     with pytest.raises(CheckpointConfigError, match="global_step"):
         check_step(bad)
+
+
+@pytest.mark.parametrize("bad", ["no", "yes", None, 2, -1, 0.5, [True]])
+def test_a_kind_flag_that_is_not_a_bool_is_refused(bad):
+    with pytest.raises(CheckpointConfigError, match="is_state_dict must be True .* or False"):
+        Kind.from_flag(bad)
+
+
+def test_kind_flags():
+    import numpy as np
+
+    assert Kind.from_flag(True) is Kind.STATE_DICT and Kind.from_flag(False) is Kind.CHECKPOINT
+    assert Kind.from_flag(1) is Kind.STATE_DICT and Kind.from_flag(np.int64(0)) is Kind.CHECKPOINT
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, "3", True, float("nan"), [1]])
+def test_a_bad_timeout_is_refused(bad):
+    with pytest.raises(CheckpointConfigError, match="timeout_s must be"):
+        check_timeout(bad)
+
+
+def test_timeouts():
+    assert check_timeout(None) is None and check_timeout(0) == 0.0 and check_timeout(2.5) == 2.5
+    assert check_timeout(float("inf")) == float("inf")
 
 
 def test_good_steps():

@@ -89,6 +89,9 @@ def weight_dirs(files: Iterable[str]) -> dict[str, str]:
 
 def _summary(committed: CommittedStep) -> str:
     names = sorted(committed.files)
+    if not names:  # its save functions wrote nowhere under the step's directory
+        return ("no files at all: its manifest lists none (did its save functions write under "
+                "ckptd.step_dir(root, step)?)")
     return ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
 
 

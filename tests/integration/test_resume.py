@@ -227,3 +227,16 @@ def test_resume_loads_hf_and_lora_checkpoints(make_monitor, tmp_path):
         ckptd.resume(root, model=torch.nn.Linear(2, 2), model_dir="hf")
     with pytest.raises(ckptd.CheckpointConfigError, match="no optimizer state"):
         ckptd.resume(root, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+
+
+def test_resuming_a_step_whose_saves_wrote_nowhere_in_it_says_it_has_no_files(make_monitor, tmp_path):
+    """A save function that wrote outside the step's directory leaves a committed step with no
+    files; resuming it says so (the message used to end at "it has ")."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w")
+    coord.register(4, checkpoint_thread_count=1)
+    coord.save_async("elsewhere", list, 4)  # writes nothing, and says so
+    coord.wait_committed(4, timeout_s=30)
+    coord.close()
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"no model weights .*it has no files at all: its manifest"):
+        ckptd.resume(root, model=torch.nn.Linear(2, 2))

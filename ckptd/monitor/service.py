@@ -171,11 +171,14 @@ def _existing_actor(run: str, namespace: str | None) -> Any | None:
 def _attach(handle: Any, storage: Storage, root_url: str, run: str, opts: MonitorOptions) -> Any:
     existing = ray.get(handle.worker_config.remote())
     wanted = opts.model_dump(mode="json")
-    if existing["root"] != root_url or existing["options"] != wanted:
+    have = existing["options"]
+    differ = [f"root: {existing['root']!r} there, {root_url!r} asked"] if existing["root"] != root_url else []
+    differ += [f"{key}: {have.get(key)!r} there, {wanted.get(key)!r} asked"
+               for key in sorted(have.keys() | wanted.keys()) if have.get(key) != wanted.get(key)]
+    if differ:
         raise CheckpointConfigError(
-            f"a CheckpointMonitor for run {run!r} already exists with root {existing['root']!r} "
-            f"and options {existing['options']}; this call asked for root {root_url!r} and "
-            f"options {wanted}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
+            f"a CheckpointMonitor for run {run!r} already exists, and this call asks for something else: "
+            f"{'; '.join(differ)}. Use ckptd.get_monitor(run={run!r}) to attach, or another run name"
         )
     return handle
 

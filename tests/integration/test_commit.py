@@ -268,8 +268,13 @@ def test_bad_input_is_refused_before_anything_is_written(env, tmp_path):
     not_a_dir.write_text("x")
     with pytest.raises(ckptd.CheckpointConfigError, match="cannot be written"):
         ckptd.start_monitor(str(not_a_dir), run="other2")
-    with pytest.raises(ckptd.CheckpointConfigError, match="already exists with root"):
+    with pytest.raises(ckptd.CheckpointConfigError, match="already exists, and this call asks for something else: "
+                                                          "root: .* there, .*elsewhere.* asked. Use ckptd.get_monitor"):
         ckptd.start_monitor(str(tmp_path / "elsewhere"), run=status(monitor).run)
+    # Only what differs is named, not every option.
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"something else: max_ckpt_to_keep: \w+ there, 97 asked") as e:
+        ckptd.start_monitor(root, run=status(monitor).run, max_ckpt_to_keep=97)
+    assert "save_strategy" not in str(e.value) and "step_timeout_s" not in str(e.value)
 
 
 def test_save_fn_may_return_its_paths(env, tmp_path):

@@ -126,7 +126,8 @@ class TrainerCalls:
         if result["committed"]:
             return
         if result["cause"] is None:
-            raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s")
+            detail = f": {result['detail']}" if result.get("detail") else ""  # older monitors send none
+            raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s{detail}")
         if result.get("unknown"):
             raise CheckpointError(result["cause"])
         raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])

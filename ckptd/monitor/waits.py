@@ -41,11 +41,19 @@ class Waits:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 await asyncio.wait_for(self._event(step, k).wait(), left)
             except asyncio.TimeoutError:
-                return {"committed": False, "unit": None, "cause": None}
+                return {"committed": False, "unit": None, "cause": None, "detail": self._where_it_stands(step, k)}
         failure = self._ledger.failure_of(step, k)
         if failure is not None:
             return {"committed": False, "unit": failure[0], "cause": failure[1]}
         return {"committed": True, "unit": None, "cause": None}
+
+    def _where_it_stands(self, step: int, kind: Kind) -> str:
+        """What the monitor knows of a step a wait gave up on, for the caller's TimeoutError."""
+        rec = self._ledger.get(step)
+        if rec is None or not rec.active(kind):
+            return (f"nothing of its {kind.value.replace('_', ' ')} has reached the monitor: no registration and no "
+                    "save unit of that kind (check the step number and is_state_dict of the saves and registration)")
+        return self._ledger.describe(rec, kind)
 
     async def wait_mirrored(self, step: int, timeout_s: float | None = None) -> dict:
         """Wait until ``step`` is committed on the mirror.

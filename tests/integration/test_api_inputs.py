@@ -56,3 +56,23 @@ def test_a_save_fn_that_returns_a_dict_fails_its_unit_saying_what_to_return(make
         coord.wait_committed(2, timeout_s=30)
     assert ckptd.latest_step(root) is None
     coord.close()
+
+
+def test_a_wait_that_times_out_says_where_the_step_stands(make_monitor, tmp_path):
+    """The monitor knows why a step has not committed; the TimeoutError says it, instead of only
+    "not committed within N s"."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w")
+    with pytest.raises(TimeoutError, match=r"step 6 \(checkpoint\) not committed within 0.5 s: nothing of its "
+                                           r"checkpoint has reached the monitor.*is_state_dict"):
+        coord.wait_committed(6, timeout_s=0.5)
+    coord.save_async("m", lambda: [write(f"{coord.step_dir(5)}/m.bin", b"m")], 5)  # saved, never registered
+    coord.wait_all()
+    with pytest.raises(TimeoutError, match=r"1 units saved but only 0 were registered: register the total"):
+        coord.wait_committed(5, timeout_s=0.5)
+    coord.register(7, checkpoint_thread_count=2)
+    coord.save_async("a", lambda: [write(f"{coord.step_dir(7)}/a.bin", b"a")], 7)
+    coord.wait_all()
+    with pytest.raises(TimeoutError, match=r"1 of 2 registered units finished \(finished: w/a\)"):
+        coord.wait_committed(7, timeout_s=0.5)
+    coord.close()

@@ -32,6 +32,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -47,6 +48,34 @@ log = logging.getLogger(__name__)
 def actor_name(run: str) -> str:
     """The Ray actor name of the monitor of ``run``."""
     return f"ckptd-monitor-{run}"
+
+
+def monitor_actor(run: str, namespace: str | None) -> Any:
+    """The run's monitor actor on the connected Ray cluster: in ``namespace``; with None, in this
+    job's namespace, or else in the only namespace that has one (a job that called ``ray.init()``
+    without a namespace runs in an anonymous one, which another driver cannot name).
+
+    Raises:
+        ValueError: no monitor of the run, there or anywhere.
+        CheckpointConfigError: none in this job's namespace, and several namespaces have one.
+    """
+    import ray
+
+    from ckptd.errors import CheckpointConfigError
+
+    try:
+        return ray.get_actor(actor_name(run), namespace=namespace)
+    except ValueError:
+        if namespace is not None:
+            raise
+    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"] == actor_name(run)})
+    if len(found) > 1:
+        raise CheckpointConfigError(f"the monitor of run {run!r} exists in several Ray namespaces {found}, none of "
+                                    "them this job's: pass namespace= to pick one")
+    if not found:
+        raise ValueError(f"no actor {actor_name(run)!r} in any namespace")
+    return ray.get_actor(actor_name(run), namespace=found[0])
 
 
 def attempt_id(attempt: int, root_url: str) -> str:

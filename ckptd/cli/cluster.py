@@ -42,23 +42,7 @@ def monitor_of(run: str, namespace: str | None) -> Any:
     """
     from ckptd.monitor import get_monitor
 
-    return get_monitor(run, namespace_of(run, namespace))
-
-
-def namespace_of(run: str, namespace: str | None) -> str | None:
-    """The namespace to find the run's monitor in: the one given, or the only one that has it (a
-    job that called ray.init() without a namespace runs in an anonymous one)."""
-    if namespace is not None:
-        return namespace
-    import ray
-
-    from ckptd.protocol import actor_name
-
-    found = sorted({a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"] == actor_name(run)})
-    if len(found) > 1:
-        raise SystemExit(f"the monitor of run {run!r} exists in several namespaces {found}; pass --namespace")
-    return found[0] if found else None
+    return get_monitor(run, namespace)
 
 
 def refuse_live_root(root: str, address: str, doing: str) -> None:

@@ -14,7 +14,7 @@ from ckptd.fencing import AttemptRecord, current_attempt, list_attempts, read_at
 from ckptd.layout import LEDGER_DIR, check_template, record_template
 from ckptd.monitor.actor import monitor_actor_class
 from ckptd.monitor.attempts import open_attempt
-from ckptd.protocol import actor_name
+from ckptd.protocol import actor_name, monitor_actor
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -245,16 +245,20 @@ def _check_mirror_overlap(local: Storage, mirror: Storage) -> None:
 
 
 def get_monitor(run: str = "default", namespace: str | None = None) -> Any:
-    """Attach to the running CheckpointMonitor of ``run`` from any worker or driver.
+    """Attach to the running CheckpointMonitor of ``run`` from any worker or driver: in
+    ``namespace``, or with None in this job's namespace, or else the only namespace that has one
+    (another driver's ``ray.init()`` without a namespace runs in an anonymous one).
 
     Raises:
+        CheckpointConfigError: with ``namespace=None``, several other namespaces have one.
         CheckpointError: no monitor of that run exists.
     """
     check_name(run, "run")
     try:
-        return ray.get_actor(actor_name(run), namespace=namespace)
+        return monitor_actor(run, namespace)
     except ValueError:
+        where = f"in namespace {namespace!r}" if namespace is not None else "in any Ray namespace of this cluster"
         raise CheckpointError(
-            f"no CheckpointMonitor for run {run!r} in namespace {namespace!r}; start one with "
+            f"no CheckpointMonitor for run {run!r} {where}; start one with "
             f"ckptd.start_monitor(root, run={run!r}) first"
         ) from None

@@ -30,7 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointTimeoutError
 from ckptd.layout import newest_committed, parse_kind
-from ckptd.protocol import actor_name, new_id
+from ckptd.protocol import monitor_actor, new_id
 from ckptd.rollout.weights import Weights
 from ckptd.shared_root import where_am_i
 from ckptd.storage import Storage
@@ -112,9 +112,12 @@ class WeightSubscriber:
         if not ray.is_initialized():
             return None, None
         try:
-            handle = ray.get_actor(actor_name(self.run), namespace=self._namespace)
+            handle = monitor_actor(self.run, self._namespace)
             cfg = ray.get(handle.worker_config.remote(), timeout=_CALL_TIMEOUT_S)
         except (ValueError, RayActorError, GetTimeoutError):
+            return None, None
+        except CheckpointConfigError as e:  # several namespaces have one: the root it is then
+            log.warning("%s; reading the root instead", e)
             return None, None
         if self._wanted_root is not None and Storage(cfg["root"], cfg["storage_options"]).url != self._wanted_root:
             return None, None  # another copy (the mirror): read it directly

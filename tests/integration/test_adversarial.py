@@ -45,6 +45,37 @@ def test_a_monitor_of_another_driver_finds_the_live_one(ray_local, tmp_path, run
         ray.kill(first, no_restart=True)
 
 
+def test_another_driver_attaches_to_the_monitor_and_subscribes_without_naming_a_namespace(
+        ray_local, tmp_path, run_name):
+    """A rollout driver (its own anonymous namespace) finds the trainer's monitor by run name, as
+    ``ckptd status`` does: get_monitor and a WeightSubscriber in monitor mode. Before, both looked
+    in their own namespace only, and get_monitor said to start a monitor that was running."""
+    from .test_rollout import publish
+
+    root = str(tmp_path / "ckpt")
+    monitor = ckptd.start_monitor(root, run=run_name)
+    try:
+        coord = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
+        publish(coord, 2)
+        coord.close()
+        address = ray.get_runtime_context().gcs_address
+        code = (f"import ray, ckptd; ray.init(address={address!r}, log_to_driver=False)\n"
+                f"m = ckptd.get_monitor({run_name!r})\n"
+                "print('RUN', ray.get(m.worker_config.remote())['run'])\n"
+                f"sub = ckptd.WeightSubscriber({run_name!r}, name='explorer')\n"
+                "print('MODE', sub.mode, 'VERSION', sub.wait_for_version(timeout_s=60))\n"
+                "sub.close()\n"
+                "try:\n    ckptd.get_monitor('no-such-run')\n"
+                "except ckptd.CheckpointError as e:\n    print('NONE', e)\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ})
+        out = proc.stdout
+        assert f"RUN {run_name}" in out and "MODE monitor VERSION 2" in out, (out + proc.stderr)[-3000:]
+        assert "NONE no CheckpointMonitor for run 'no-such-run' in any Ray namespace" in out, out[-2000:]
+    finally:
+        ray.kill(monitor, no_restart=True)
+
+
 def test_a_monitor_stalled_before_its_tracker_rename_is_fenced_at_the_last_moment(ray_local, tmp_path, run_name):
     from ckptd.monitor.attempts import open_attempt
     from ckptd.storage import Storage

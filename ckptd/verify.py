@@ -55,11 +55,25 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
             manifests[k] = Manifest.model_validate(load_json(text.encode(), mpath))
     if path is None or not manifests or kind is Kind.CHECKPOINT and Kind.CHECKPOINT not in manifests:
         what = f"as a {kind.value}" if kind is not None else "(it has no manifest)"
-        raise CheckpointError(f"step {step} is not committed {what} under {storage.url}")
+        raise CheckpointError(f"step {step} is not committed {what} under {storage.url}: "
+                              f"{_why_not(storage, step, path, manifests)}")
     files: dict[str, FileEntry] = {}
     for m in manifests.values():
         files.update({f.path: f for f in m.files})
     return CommittedStep(step, path, manifests, files)
+
+
+def _why_not(storage: Storage, step: int, path: str | None, manifests: dict[Kind, Manifest]) -> str:
+    """Why a step asked for is not there, in words: what storage shows of it and of the root."""
+    if manifests:
+        return f"it is committed as a {' and a '.join(k.value for k in manifests)} only"
+    if not storage.exists(storage.root):
+        return "the root does not exist"
+    if path is not None and storage.exists(path):
+        return "its directory has no manifest: its saves did not all finish, or it is still being committed"
+    newest = [f"{k.value} {s}" for k in Kind if (s := newest_committed(storage, k)) is not None]
+    return ("no directory of it exists: it was never saved, or retention, gc or a retirement deleted it "
+            f"(the newest committed: {', '.join(newest) or 'none'})")
 
 
 def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
@@ -86,7 +100,8 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
     storage = Storage(root, storage_options)
     committed = open_step(storage, step, parse_kind(kind) if step is None else None)
     if committed is None:
-        raise CheckpointError(f"no committed {kind} under {storage.url}")
+        missing = "" if storage.exists(storage.root) else ": the root does not exist"
+        raise CheckpointError(f"no committed {kind} under {storage.url}{missing}")
     problems = []
     for rel, entry in sorted(committed.files.items()):
         path = f"{committed.path}/{rel}"

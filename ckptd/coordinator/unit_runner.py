@@ -189,10 +189,15 @@ class UnitRunner:
                     f"{unit.step} matching {self._template.template!r} exists under {self._storage.url}: write "
                     "every file of a step under ckptd.step_dir(root, step, epoch=...) and return those paths"
                 )
+            if returned is None:
+                _wrote_nothing(unit, self._template.template)
             return [], returned is None
         if returned is not None:
             return describe_returned_files(self._storage, step_path, returned), False
-        return discover_files(self._storage, step_path, started_ns, listed_before), True
+        found = discover_files(self._storage, step_path, started_ns, listed_before)
+        if not found:
+            _wrote_nothing(unit, self._template.template)
+        return found, True
 
     def _step_path(self, step: int, returned: list | None) -> str | None:
         if returned and self._template.needs_epoch:
@@ -261,6 +266,14 @@ class _Span:
     admitted: float | None = None
     recorded: bool = False
     phases: dict[str, float] | None = None  # seconds per phase (ckptd.phases), filled as it runs
+
+
+def _wrote_nothing(unit: UnitId, template: str) -> None:
+    """A save_fn that returned None (its files found by time) and changed no file of its step: it
+    most likely wrote elsewhere, and the step would commit without its data."""
+    log.warning("save %s of step %d (%s) returned None and no file under its step's directory (%s) changed "
+                "while it ran: if it wrote its files elsewhere, write them under coord.step_dir(step); if it "
+                "writes nothing on purpose, return [] to say so", unit.label, unit.step, unit.kind.value, template)
 
 
 class _Refused(CheckpointError):

@@ -76,3 +76,24 @@ def test_a_wait_that_times_out_says_where_the_step_stands(make_monitor, tmp_path
     with pytest.raises(TimeoutError, match=r"1 of 2 registered units finished \(finished: w/a\)"):
         coord.wait_committed(7, timeout_s=0.5)
     coord.close()
+
+
+def test_a_save_fn_that_returns_none_and_writes_nothing_in_its_step_is_warned_about(make_monitor, tmp_path, caplog):
+    """Its files were most likely written elsewhere, and the step commits without them: the worker
+    logs a warning saying where to write, or to return [] when nothing is written on purpose."""
+    root = str(tmp_path / "ckpt")
+    coord = ckptd.CheckpointCoordinator(make_monitor(root), worker_id="w")
+    os.makedirs(tmp_path / "elsewhere")
+    coord.register(3, checkpoint_thread_count=2)
+
+    def writes_elsewhere() -> None:
+        write(str(tmp_path / "elsewhere" / "model.bin"), b"m")
+
+    coord.save_async("lost", writes_elsewhere, 3)
+    coord.save_async("nothing", list, 3)  # says it writes nothing
+    coord.wait_all()
+    coord.wait_committed(3, timeout_s=30)
+    warned = [r.getMessage() for r in caplog.records if "returned None and no file" in r.getMessage()]
+    assert len(warned) == 1 and "save w/lost of step 3" in warned[0], warned
+    assert "coord.step_dir(step)" in warned[0] and "return [] to say so" in warned[0]
+    coord.close()

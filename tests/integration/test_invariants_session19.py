@@ -178,7 +178,9 @@ def test_a_finished_report_held_by_the_relay_past_the_coordinators_timeout_goes_
     result, took = _timed(lambda: wait_all(quick))
     assert result == ("ok", None) and took < SHORT_BOUND_S, (result, took)
     assert (tmp_path / "once" / "relay_before_forward").exists(), "the relay held nothing: nothing was tested"
-    assert _receipts(root, quick._attempt, 1).get("ws/s") == "finished"
+    # Finished, never failed; or gone already: the step committed (asserted next), and its commit
+    # removes the step's records (a recursive removal, which a read can meet halfway).
+    assert _receipts(root, quick._attempt, 1).get("ws/s") in ("finished", None)
 
     assert _outcome(patient, 1) == "committed"
     assert _units(root, 1) == ["wl/sync", "ws/s"]

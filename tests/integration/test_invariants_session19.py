@@ -263,7 +263,8 @@ def test_a_relay_holding_every_batch_past_the_coordinators_timeout_leaves_no_uni
     quick.save_async("s", save, 1)
     result, took = _timed(lambda: wait_all(quick))
     assert result == ("ok", None) and took < SHORT_BOUND_S, (result, took)
-    assert ran.is_set() and _receipts(root, quick._attempt, 1).get("ws/s") == "finished"
+    # Finished, or gone with the step's records once its commit (asserted next) removes them.
+    assert ran.is_set() and _receipts(root, quick._attempt, 1).get("ws/s") in ("finished", None)
     try:
         assert _outcome(patient, 1, 15) == "committed"
         manifest = read_manifest(root, 1, CKPT)

@@ -212,6 +212,21 @@ def _take_back(storage: Storage, attempt: int) -> None:
             storage.rm(path)
 
 
+def _looks_held(monitor, tmp_path):
+    """Hold the monitor's periodic fence looks until the returned release is called: two looks
+    that see a losing attempt make its fence final, and on a loaded machine they can come before
+    a test takes the attempt back (seen in CI). What a test sets up then meets a fence that a
+    look may still lift, whatever the machine's speed."""
+    gate = str(tmp_path / "looks.gate")
+    arm_in_monitor(monitor, "before_fence_look", f"until:{DEADLINE_S:g}:{gate}")
+
+    def release() -> None:
+        arm_in_monitor(monitor, "before_fence_look", None)
+        open(gate, "w").close()
+
+    return release
+
+
 def _losing_attempt_at(monitor, failpoint: str, storage: Storage, tmp_path, reach) -> object:
     """Call ``reach``, which takes the monitor to ``failpoint``; hold it there while a losing
     ``start_monitor`` opens its attempt, then let it go on. The attempt."""
@@ -244,6 +259,7 @@ def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_tak
         write_file(path, os.urandom(64))
 
     coord.save_async("model", save, 2)
+    release_looks = _looks_held(monitor, tmp_path)
     loser = open_attempt(storage, "a-racing-job", None)
     go.set()  # the step's last unit finishes: its commit runs into the racing attempt
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
@@ -255,6 +271,7 @@ def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_tak
     waiter.start()
     _take_back(storage, loser.attempt)
     assert "superseded" in ray.get(monitor.status.remote()).fenced
+    release_looks()
     wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
     commit_one(coord, 3, "model.bin", is_state_dict=False)
     waiter.join(2 * DEADLINE_S)
@@ -275,10 +292,12 @@ def test_a_fence_that_retention_ran_into_is_lifted_once_the_losing_attempt_is_ta
     storage = Storage(root)
     for step in (1, 2):
         commit_one(coord, step, "model.bin", is_state_dict=False)
+    release_looks = _looks_held(monitor, tmp_path)
     loser = _losing_attempt_at(monitor, "before_step_delete", storage, tmp_path,  # retention deletes step 1
                                lambda: commit_one(coord, 3, "model.bin", is_state_dict=False))
     wait_for(lambda: ray.get(monitor.status.remote()).fenced, DEADLINE_S, "retention fenced")
     _take_back(storage, loser.attempt)
+    release_looks()
     assert os.path.isdir(coord.step_dir(1))
     wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
     commit_one(coord, 4, "model.bin", is_state_dict=False)
@@ -297,12 +316,14 @@ def test_a_fence_that_the_mirrors_upload_ran_into_is_lifted_once_the_losing_atte
     monitor = make_monitor(root, mirror=mirror)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
+    release_looks = _looks_held(monitor, tmp_path)
     loser = _losing_attempt_at(monitor, "before_mirror_manifest", storage, tmp_path,
                                lambda: commit_one(coord, 2, "model.bin", is_state_dict=False))
     with pytest.raises(ckptd.CheckpointError, match=f"superseded by attempt {loser.attempt}"):
         coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     assert "superseded" in ray.get(monitor.status.remote()).mirror.fenced
     _take_back(storage, loser.attempt)
+    release_looks()
     wait_for(lambda: ray.get(monitor.status.remote()).mirror.fenced is None, 3 * FENCE_CHECK_S + 5,
              "the mirror's fence lifted")
     coord.wait_mirrored(2, timeout_s=DEADLINE_S)
@@ -441,6 +462,7 @@ def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fe
         raise OSError("disk full after replacing weights.bin")
 
     go = _state_dict_2_with_a_checkpoint_unit_held(coord, replace_then_fail)
+    release_looks = _looks_held(monitor, tmp_path)
     loser = open_attempt(storage, "a-racing-job", None)
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
@@ -451,6 +473,7 @@ def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fe
         coord.wait_committed(2, timeout_s=DEADLINE_S)
     _take_back(storage, loser.attempt)
     assert tracker_of(root, SD) == 2  # not checked while fenced
+    release_looks()
     wait_for(lambda: tracker_of(root, SD) == 1, 3 * FENCE_CHECK_S + 5, "state dict 2 withdrawn after the lift")
     with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
         coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
@@ -469,6 +492,7 @@ def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_mo
     storage = Storage(root)
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
     go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)  # reported as a finished unit's file
+    release_looks = _looks_held(monitor, tmp_path)
     loser = open_attempt(storage, "a-racing-job", None)
     with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
         commit_one(coord, 3, "weights.bin", is_state_dict=True)
@@ -479,6 +503,7 @@ def test_a_withdrawal_that_a_lifted_fence_refused_is_done_after_the_lift(make_mo
         coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
     assert read_manifest(root, 2, SD) is not None  # the withdrawal, refused by the fence
     _take_back(storage, loser.attempt)
+    release_looks()
     # The manifest goes first, then the tracker: both, once the withdrawal is done.
     wait_for(lambda: read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1, 3 * FENCE_CHECK_S + 5,
              "the withdrawal done after the lift")

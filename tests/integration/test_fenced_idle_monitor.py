@@ -444,6 +444,33 @@ def _state_dict_2_with_a_checkpoint_unit_held(coord, then) -> threading.Event:
     return go
 
 
+def test_a_state_dict_being_withdrawn_is_not_answered_committed(make_monitor, tmp_path):
+    """The withdrawal of state dict 2 is held after its tracker went back to step 1, before its
+    manifest goes: a wait on it does not answer "committed" meanwhile (it did, until the kind was
+    failed after the manifest), and once the withdrawal ends it answers "withdrawn"."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)  # reported as a finished unit's file
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_revoke_rm", f"until:{DEADLINE_S:g}:{gate}")
+    go.set()
+    wait_for(lambda: held_at(monitor, "before_revoke_rm"), DEADLINE_S, "the withdrawal held")
+    assert tracker_of(root, SD) == 1 and read_manifest(root, 2, SD) is not None
+    with pytest.raises(TimeoutError, match="not committed within 1"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=1)
+    arm_in_monitor(monitor, "before_revoke_rm", None)
+    open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()  # the unit's report, refused
+    assert read_manifest(root, 2, SD) is None
+    assert_trackers_verified(root)
+    coord.close()
+
+
 def test_a_state_dict_whose_file_a_failing_checkpoint_replaced_under_a_lifted_fence_is_withdrawn(
         make_monitor, tmp_path):
     """Step 2's state dict is committed; its full checkpoint's unit still runs when a losing

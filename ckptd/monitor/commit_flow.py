@@ -39,8 +39,10 @@ class CommitFlow:
         state = self._ledger.state_of(step, kind)
         if state is StepState.FAILED:
             return (step, kind) in self._failures_durable
-        if kind is SD and state is StepState.COMMITTED and self._ledger.get(step)[SD].withdrawing:
-            return False  # being withdrawn (its tracker may point back already): answered once failed
+        if kind is SD and state is StepState.COMMITTED:
+            rec = self._ledger.get(step)  # None: its details were pruned, long settled
+            if rec is not None and rec[SD].withdrawing:
+                return False  # being withdrawn (its tracker may point back already): answered once failed
         # A full checkpoint holds the weights too: it commits the state dict of its step for readers.
         return state is StepState.COMMITTED or self._ledger.is_committed(step, Kind.CHECKPOINT)
 

@@ -32,7 +32,7 @@ from ckptd.manifest import is_internal
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
 from ckptd.shared_root import PROBE_DIR
-from ckptd.storage import FileStat, Storage
+from ckptd.storage import FileStat, Storage, explains_credentials
 from ckptd.template import StepDirTemplate
 
 DEFAULT_MIN_IDLE_S = 600.0
@@ -60,6 +60,7 @@ class GcPlan:
         return sum(g.bytes for g in self.items)
 
 
+@explains_credentials
 def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: float = DEFAULT_MIN_IDLE_S,
             mirror: str | None = None, storage_options: dict | None = None,
             mirror_storage_options: dict | None = None, now: float | None = None) -> GcPlan:
@@ -100,6 +101,7 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
     return plan
 
 
+@explains_credentials
 def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
            progress: Callable[[Garbage], None] | None = None) -> list[Garbage]:
     """Remove what ``plan`` lists. Committed steps go the way retention deletes them (never

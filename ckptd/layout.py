@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.storage import Storage
+from ckptd.storage import Storage, explains_credentials
 from ckptd.template import StepDirTemplate
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,7 @@ def parse_kind(kind: str) -> Kind:
         raise CheckpointConfigError(f"kind must be 'checkpoint' or 'state_dict', got {kind!r}") from None
 
 
+@explains_credentials
 def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | None = None) -> int | None:
     """The newest committed step of ``kind`` under ``root``, or None if there is none.
 

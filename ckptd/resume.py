@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.storage import Storage
+from ckptd.storage import Storage, explains_credentials
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
 from ckptd.workers import reshard
@@ -50,6 +50,7 @@ class ResumeState(BaseModel):
     running: RunningState | None
 
 
+@explains_credentials
 def resume(
     root: str,
     *,

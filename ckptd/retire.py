@@ -14,12 +14,13 @@ import logging
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError
 from ckptd.layout import MANIFESTS, TRACKERS, read_template, scan_steps
-from ckptd.storage import Storage
+from ckptd.storage import Storage, explains_credentials
 from ckptd.units import check_step
 
 log = logging.getLogger("ckptd.retire")
 
 
+@explains_credentials
 def retire_steps(root: str, after: int, *, storage_options: dict | None = None, mirror: str | None = None,
                  mirror_storage_options: dict | None = None) -> list[int]:
     """Remove every step newer than ``after`` and point the trackers at the newest step left.

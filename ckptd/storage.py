@@ -9,6 +9,7 @@ goes through :class:`Storage`. How a file is published atomically depends on the
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,10 +21,15 @@ from fsspec.implementations.local import LocalFileSystem
 from ckptd import phases
 from ckptd.commit import TMP_PREFIX, CommitStrategy, check_publish, fsync_path, strategy_for
 from ckptd.direct_io import MODES, DirectIO, current_mode
-from ckptd.errors import CheckpointConfigError
+from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.walk import FileStat, scan, scan_large
 
-__all__ = ["TMP_PREFIX", "FileStat", "Storage"]
+__all__ = ["TMP_PREFIX", "FileStat", "Storage", "explains_credentials"]
+
+#: What storage clients raise when they find no usable credentials, by class name so that no
+#: backend is imported: botocore's (s3fs) and google-auth's (gcsfs).
+_CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                                "DefaultCredentialsError"})
 
 
 class Storage:
@@ -226,3 +232,43 @@ def _mtime_ns(info: dict) -> int | None:
         if isinstance(value, (int, float)):
             return int(value * 1e9)
     return None
+
+
+def credentials_missing(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) says the storage client found no credentials."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a cause chain is short; a cycle is not followed for ever
+        if seen is None:
+            return False
+        if any(c.__name__ in _CREDENTIAL_ERRORS for c in type(seen).__mro__):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def no_credentials_error(root: object, error: BaseException) -> CheckpointConfigError:
+    where = f"checkpoint root {root!r}" if root else "the checkpoint root"
+    return CheckpointConfigError(
+        f"cannot use {where}: the storage client found no credentials ({type(error).__name__}: {error}). "
+        "Pass them in storage_options (for s3://: key and secret, or profile; for gs://: token), or set "
+        "them in the environment of every process that uses the root (for s3://: AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+
+
+def explains_credentials(fn):
+    """Decorate a public entry point whose first argument is a root (or has a ``root``): a storage
+    client's missing-credentials error becomes a :class:`CheckpointConfigError` that says what to pass."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if not credentials_missing(e):
+                raise
+            first = args[0] if args else kwargs.get("root", kwargs.get("plan"))
+            raise no_credentials_error(getattr(first, "root", first), e) from e
+
+    return call

@@ -9,7 +9,7 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError, CorruptCheckpointError
 from ckptd.layout import MANIFESTS, find_step_dir, newest_committed, parse_kind
 from ckptd.manifest import FileEntry, Manifest, crc32_file
-from ckptd.storage import Storage
+from ckptd.storage import Storage, explains_credentials
 from ckptd.workers.files import load_json, mismatch, read_verified
 
 
@@ -76,6 +76,7 @@ def _why_not(storage: Storage, step: int, path: str | None, manifests: dict[Kind
             f"(the newest committed: {', '.join(newest) or 'none'})")
 
 
+@explains_credentials
 def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
            storage_options: dict | None = None, progress: Callable[[int], None] | None = None) -> CommittedStep:
     """Check every file of a committed step against its manifest: present, same size, same CRC-32.

@@ -71,9 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ckptd.cli import gc, status, steps, timeline
+    from ckptd.storage import credentials_missing, no_credentials_error
 
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except Exception as e:  # the subcommands print a CheckpointError; a storage client's is told here
+        if not credentials_missing(e):
+            raise
+        print(f"FAILED: {no_credentials_error(getattr(args, 'root', None), e)}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ckptd.cli import gc, status, steps, timeline
 
     if args.command in ("latest", "ls", "show", "export-hf"):
         return steps.run(args)

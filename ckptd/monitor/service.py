@@ -16,13 +16,14 @@ from ckptd.monitor.actor import monitor_actor_class
 from ckptd.monitor.attempts import open_attempt
 from ckptd.protocol import actor_name, monitor_actor
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
-from ckptd.storage import Storage
+from ckptd.storage import Storage, explains_credentials
 from ckptd.template import StepDirTemplate
 from ckptd.units import check_name
 
 log = logging.getLogger("ckptd.monitor")
 
 
+@explains_credentials
 def start_monitor(
     root: str,
     *,

@@ -101,3 +101,25 @@ def test_credentials_never_appear_in_status_errors_or_logs(make_monitor, s3_root
         assert secret not in str(bad_bucket.value)
         assert secret not in logs
     assert "no-such-bucket-ckptd" in str(bad_bucket.value)
+
+
+def test_a_root_without_credentials_is_refused_saying_what_to_pass(ray_local, s3_server, run_name, monkeypatch,
+                                                                   tmp_path, capsys):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    bucket = s3_server.new_bucket()
+    root = f"s3://{bucket}/run"
+    options = {k: v for k, v in s3_server.options().items() if k not in ("key", "secret")}
+    said = "the storage client found no credentials .*Pass them in storage_options"
+    with pytest.raises(ckptd.CheckpointConfigError, match=said):
+        ckptd.start_monitor(root, run=run_name, storage_options=options)
+    with pytest.raises(ckptd.CheckpointConfigError, match=said):
+        ckptd.verify(root, storage_options=options)
+    with pytest.raises(ckptd.CheckpointConfigError, match=said):
+        ckptd.latest_step(root, storage_options=options)
+    assert main(["verify", root]) == 1
+    assert "FAILED: cannot use checkpoint root" in capsys.readouterr().err
+    assert s3_server.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0  # nothing written

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import ray
+import s3fs
 import torch
 from safetensors.torch import load as load_safetensors
 
@@ -110,6 +111,7 @@ def test_a_root_without_credentials_is_refused_saying_what_to_pass(ray_local, s3
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()  # an earlier test's client, made with credentials, is reused otherwise
     bucket = s3_server.new_bucket()
     root = f"s3://{bucket}/run"
     options = {k: v for k, v in s3_server.options().items() if k not in ("key", "secret")}

@@ -73,7 +73,8 @@ def test_a_failed_deletion_is_retried_and_does_not_stop_the_others(make_monitor,
     for step in range(1, 5):
         _save(coord, root, step, full=False)
     coord.wait_all()
-    coord.wait_committed(4, is_state_dict=True, timeout_s=60)
+    for step in range(1, 5):  # each: steps commit independently, and the monitor is killed next
+        coord.wait_committed(step, is_state_dict=True, timeout_s=60)
     coord.close()
     ray.kill(first, no_restart=True)
     assert step_dirs(root) == {1, 2, 3, 4}

@@ -270,7 +270,8 @@ def test_retire_lets_a_job_resumed_from_an_older_step_save_the_newer_steps_again
     for step in (1, 2, 3):
         coord.save_async("m", lambda s=step: [write(f"{coord.step_dir(s)}/m.bin", b"old%d" % s)], step)
         coord.register(step, checkpoint_thread_count=1)
-    coord.wait_committed(3, timeout_s=30)
+    for step in (1, 2, 3):  # each: steps commit independently, and the monitor is killed next
+        coord.wait_committed(step, timeout_s=30)
     coord.close()
     with pytest.raises(ckptd.CheckpointConfigError, match="is live"):
         ckptd.retire_steps(root, after=1)

@@ -252,9 +252,14 @@ class UnitReports:
         # Read before anything below awaits: what this failure did to the unit's kind.
         kept = _kept_without(rec, uid)
         if not (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded):
-            # Else the full checkpoint failed now, and recording that failure checks (_record_failure).
             await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
+        elif kept is not None and uid.kind is SD and await self._changed_state_dict(rec):
+            # The full checkpoint failed now, and recording that failure checks the state dict and
+            # withdraws it (_record_failure): this unit's answer must not say it stays.
+            kept = None
         await self._after_change(rec)
+        if rec[uid.kind].state is StepState.FAILED:
+            return None  # failed after all: a file this unit replaced withdrew the committed state dict
         return kept
 
     async def withdraw_if_changed(self, rec: StepRecord, after: str) -> bool:

@@ -198,6 +198,39 @@ def test_a_save_error_says_when_its_failure_leaves_the_step_committed(make_monit
     coord.close()
 
 
+def test_a_failed_unit_that_replaced_a_committed_state_dict_file_is_not_told_the_state_dict_stays(
+        make_monitor, tmp_path):
+    """As above, but the late state-dict unit replaced the committed weights file before it failed:
+    the state dict is withdrawn, so its error must not say that its failure leaves the state dict
+    committed (it did, read before the files were checked). Found by a helper's attack (session 37)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w")
+    for step in (1, 2):
+        coord.save_async("m", lambda s=step: [write(f"{coord.step_dir(s)}/model.bin", b"m%d" % s)], step,
+                         is_state_dict=True)
+        coord.register(step, is_state_dict=True, state_dict_thread_count=1)
+        coord.wait_committed(step, is_state_dict=True, timeout_s=30)
+    registered = threading.Event()
+
+    def replace_then_boom():
+        registered.wait(30)
+        write(f"{coord.step_dir(2)}/model.bin", b"other")
+        raise OSError("disk full")
+
+    coord.save_async("optim", replace_then_boom, 2, is_state_dict=True)
+    coord.register(2, state_dict_thread_count=1)
+    registered.set()
+    with pytest.raises(ckptd.CheckpointSaveError) as failed:
+        coord.wait_all()
+    assert "disk full" in str(failed.value) and "does not fail" not in str(failed.value), str(failed.value)
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=30)
+    assert not os.path.exists(f"{coord.step_dir(2)}/{MANIFESTS[Kind.STATE_DICT]}")
+    assert tracker(root, Kind.STATE_DICT) == 1
+    coord.close()
+
+
 def test_a_wait_all_after_several_failures_gives_each_ones_cause(make_monitor, tmp_path):
     """Two saves failed before one wait_all: the error is the first's, its message names the
     second, and its notes give the second's own cause, which the message leaves out."""

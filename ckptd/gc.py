@@ -5,7 +5,8 @@ A live monitor cleans up after its own run; ``ckptd gc`` is for a root whose job
 crash, a preempted cluster, a run abandoned half-way. What counts as a leftover:
 
 * a step directory with no manifest (a save that never committed, of this attempt or an older
-  one);
+  one), unless the root held it before ckptd first used it (another tool's checkpoint,
+  :func:`ckptd.layout.foreign_steps`): that one is kept, and listed as such;
 * files in a step committed only as a state dict that its manifest does not list (the rest of a
   full checkpoint that never committed);
 * temp files of atomic writes (``.ckptd-tmp-*``) anywhere under the root, the retention trash,
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from ckptd.commit import TMP_PREFIX
 from ckptd.config import Kind
 from ckptd.fencing import list_attempts
-from ckptd.layout import StepEntry, kinds_in, listed_files, read_template, read_tracker, scan_steps
+from ckptd.layout import StepEntry, foreign_steps, kinds_in, listed_files, read_template, read_tracker, scan_steps
 from ckptd.manifest import is_internal
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
@@ -54,6 +55,7 @@ class GcPlan:
     root: str
     items: list[Garbage] = field(default_factory=list)
     kept_busy: list[str] = field(default_factory=list)  # leftovers not idle long enough yet
+    not_ours: list[str] = field(default_factory=list)  # another tool's step directories: kept
 
     @property
     def bytes(self) -> int:
@@ -74,12 +76,21 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
         now: The time idleness is measured against (default: now).
     """
     storage = Storage(root, storage_options)
+    storage.require_root()
     now = time.time() if now is None else now
     plan = GcPlan(storage.url)
     template = read_template(storage)
     entries = scan_steps(storage, template)
-    _hidden_duplicates(plan, storage, template, entries, now, min_idle_s)
+    foreign = foreign_steps(storage, template)
+
+    def theirs(step: int) -> bool:  # without a manifest: was it there before ckptd (or is ckptd not here)?
+        return foreign is None or step in foreign
+
+    _hidden_duplicates(plan, storage, template, entries, now, min_idle_s, theirs)
     for step, entry in sorted(entries.items()):
+        if not entry.committed and theirs(step):
+            plan.not_ours.append(entry.name)
+            continue
         files = storage.walk_files(storage.join(entry.name))
         if not entry.committed:
             _add_if_idle(plan, storage, entry.name, files, now, min_idle_s,
@@ -176,7 +187,7 @@ def _internal_leftovers(plan: GcPlan, storage: Storage, now: float, min_idle_s: 
 
 
 def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate, entries: dict[int, StepEntry],
-                       now: float, min_idle_s: float) -> None:
+                       now: float, min_idle_s: float, theirs: Callable[[int], bool]) -> None:
     """Uncommitted directories of a step that another directory holds (an epoch template, with a
     crashed attempt left under another epoch): scan_steps shows one directory per step, so these
     would never be collected."""
@@ -185,6 +196,9 @@ def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate
         step = template.parse(name)
         if step is None or name in shown or kinds_in(storage, name):
             continue  # not a step directory, the one shown, or a second committed one (not ours to pick)
+        if theirs(step):
+            plan.not_ours.append(name)
+            continue
         files = storage.walk_files(storage.join(name))
         _add_if_idle(plan, storage, name, files, now, min_idle_s,
                      Garbage(name, f"no manifest: a save that never committed (step {step} has another "

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd.config import Kind
-from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.errors import CheckpointConfigError, CheckpointError, CorruptCheckpointError
 from ckptd.storage import Storage, explains_credentials
 from ckptd.template import StepDirTemplate
 
@@ -44,6 +44,7 @@ MANIFESTS: dict[Kind, str] = {
 DEFAULT_TEMPLATE = "global_step_{step}"
 LEDGER_DIR = ".ckptd"
 _LAYOUT_FILE = "layout.json"
+_BEFORE = "before_ckptd"  # layout.json: the step directories without a manifest found at the first start
 
 # Templates read from storage, per root URL. A root's template never changes once recorded.
 _known_templates: dict[str, StepDirTemplate] = {}
@@ -82,11 +83,27 @@ def check_template(storage: Storage, template: StepDirTemplate) -> bool:
 
 
 def record_template(storage: Storage, template: StepDirTemplate) -> None:
-    """Record the root's template, or raise if the root already uses another one."""
+    """Record the root's template, or raise if the root already uses another one. The first
+    record also lists the step directories without a manifest that the root holds already:
+    another tool's (:func:`foreign_steps`)."""
     if not check_template(storage, template):
+        before = sorted(n for n in storage.listdir(storage.root)
+                        if template.parse(n) is not None and not kinds_in(storage, n))
         storage.write_atomic(storage.join(LEDGER_DIR, _LAYOUT_FILE),
-                             json.dumps({"step_dir_template": template.template}).encode())
+                             json.dumps({"step_dir_template": template.template, _BEFORE: before}).encode())
     _known_templates[storage.url] = template
+
+
+def foreign_steps(storage: Storage, template: StepDirTemplate | None = None) -> set[int] | None:
+    """The steps whose directories another tool wrote: those without a manifest that the root held
+    before ckptd first used it (a run switched to ckptd keeps its old ``global_step_N``
+    directories), which ckptd never deletes. None if ckptd never used the root (no ledger): then
+    every step directory without a manifest is another tool's."""
+    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
+    if text is None:
+        return None
+    template = template or read_template(storage)
+    return {step for name in json.loads(text).get(_BEFORE, []) if (step := template.parse(name)) is not None}
 
 
 # -- finding steps -------------------------------------------------------------------------------
@@ -114,13 +131,14 @@ def kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
 
 def listed_files(storage: Storage, entry: StepEntry) -> set[str]:
     """The step-relative paths the manifests of a step directory list."""
-    from ckptd.manifest import Manifest
+    from ckptd.manifest import parse_manifest
 
     listed: set[str] = set()
     for kind in entry.kinds:
-        text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
+        path = storage.join(entry.name, MANIFESTS[kind])
+        text = storage.read_text_or_none(path)
         if text is not None:
-            listed |= {f.path for f in Manifest.model_validate_json(text).files}
+            listed |= {f.path for f in parse_manifest(text, path).files}
     return listed
 
 
@@ -183,7 +201,12 @@ def parse_tracker(text: str | None) -> int | None:
 
 
 def read_tracker(storage: Storage, kind: Kind) -> int | None:
-    return parse_tracker(storage.read_text_or_none(storage.join(TRACKERS[kind])))
+    try:
+        text = storage.read_text_or_none(storage.join(TRACKERS[kind]))
+    except CorruptCheckpointError as e:  # not text at all: as damaged as one that holds no number
+        log.warning("ignoring a tracker that is not text: %s", e)
+        return None
+    return parse_tracker(text)
 
 
 #: ``(step, kinds of the manifests storage shows) -> the kinds to count``.
@@ -224,7 +247,8 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
 
     Reads the tracker, then confirms the step's manifest exists. A tracker that points at a step
     without a manifest (edited or restored by hand) is not trusted: the newest step with a
-    manifest is returned instead.
+    manifest is returned instead. A newer step with a full checkpoint's manifest wins over the
+    tracker (a monitor died between the two: its restart moves the tracker there too).
 
     Args:
         root: The checkpoint root, a local path or fsspec URL.
@@ -232,24 +256,37 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
             checkpoints count too).
         storage_options: fsspec options for ``root``.
     """
-    return newest_committed(Storage(root, storage_options), parse_kind(kind))
+    return newest_committed(Storage(root, storage_options), parse_kind(kind), past_tracker=True)
 
 
-def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = None) -> int | None:
+def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = None,
+                     past_tracker: bool = False) -> int | None:
     """:func:`latest_step` on an open :class:`Storage`: the tracker, if its step is committed,
     else the newest step with a manifest.
 
     ``trusted(step, kinds)``: of the manifests storage shows for ``step``, the kinds to count (a
     monitor leaves out a commit still in flight, a step being deleted, a manifest it is about to
-    withdraw)."""
+    withdraw). ``past_tracker``: also look at the step directories newer than the tracker's step
+    (one listing of the root): the newest with a full checkpoint's manifest wins. A monitor that
+    died between a manifest and its tracker left the tracker behind, and its restart moves the
+    tracker there; a full checkpoint is never withdrawn, so its manifest is committed whatever
+    the tracker says. (A newer state dict's manifest is not counted: during a withdrawal the
+    tracker goes back first, and the manifest goes after.)"""
 
-    def counts(step: int, kinds: frozenset[Kind]) -> bool:
-        return _counts_as(kinds if trusted is None else trusted(step, kinds), kind)
+    def kinds_counted(step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
+        return kinds if trusted is None else trusted(step, kinds)
 
     tracked = read_tracker(storage, kind)
-    if tracked is not None and counts(tracked, manifests_of(storage, tracked)):
+    if tracked is not None and _counts_as(kinds_counted(tracked, manifests_of(storage, tracked)), kind):
+        if past_tracker:
+            template = read_template(storage)
+            newer = sorted(((step, name) for name in storage.listdir(storage.root)
+                            if (step := template.parse(name)) is not None and step > tracked), reverse=True)
+            for step, name in newer:
+                if Kind.CHECKPOINT in kinds_counted(step, kinds_in(storage, name)):
+                    return step
         return tracked
-    steps = sorted(s for s, e in scan_steps(storage).items() if counts(s, e.kinds))
+    steps = sorted(s for s, e in scan_steps(storage).items() if _counts_as(kinds_counted(s, e.kinds), kind))
     return steps[-1] if steps else None
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd.checksum import crc32, hex_of
 from ckptd.config import Kind
+from ckptd.errors import CorruptCheckpointError
 from ckptd.storage import TMP_PREFIX, Storage
 
 _CHUNK = 8 << 20
@@ -69,6 +70,23 @@ class Manifest(BaseModel):
     def to_bytes(self) -> bytes:
         """What is written to storage (the root's manifest, and the mirror's copy of it)."""
         return self.model_dump_json(indent=1).encode()
+
+
+def parse_manifest(text: str, path: str) -> Manifest:
+    """The manifest ``text`` read from ``path``.
+
+    Raises:
+        CorruptCheckpointError: not JSON, or not a manifest (ckptd writes manifests whole: it was
+            damaged, or edited by hand).
+    """
+    try:
+        return Manifest.model_validate_json(text)
+    except ValueError as e:  # pydantic's ValidationError is one; so is bad JSON
+        first = str(e).splitlines()
+        raise CorruptCheckpointError(
+            f"{path}: not a valid ckptd manifest ({' '.join(first[:3])[:300]}). ckptd writes manifests whole, so "
+            "it was damaged or edited: restore it (the mirror holds a copy, if the run has one), or retire the "
+            "step (ckptd retire ROOT --after an older step) to resume from an older one") from e
 
 
 def crc32_file(storage: Storage, path: str) -> tuple[int, str]:

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
+from ckptd.errors import CorruptCheckpointError
 from ckptd.layout import LEDGER_DIR
 from ckptd.manifest import FileEntry
 from ckptd.storage import Storage
@@ -320,25 +321,25 @@ def pending_attempts(storage: Storage) -> list[int]:
     return sorted(out)
 
 
+def recorded_steps(storage: Storage, attempt: int) -> set[int]:
+    """The steps with ledger records of ``attempt``: every step a save unit of it was admitted into
+    (its receipt is written before it writes) and that has not been settled since."""
+    return {int(name) for name in storage.listdir(attempt_pending_dir(storage, attempt)) if name.isdigit()}
+
+
 def load_pending(storage: Storage, attempt: int) -> Iterator[PendingStep]:
     """Every step with ledger records of ``attempt``, oldest step first."""
-    steps = []
-    for name in storage.listdir(attempt_pending_dir(storage, attempt)):
-        try:
-            steps.append(int(name))
-        except ValueError:
-            continue
-    for step in sorted(steps):
+    for step in sorted(recorded_steps(storage, attempt)):
         yield _load_one(storage, attempt, step)
 
 
 def _read_json(storage: Storage, path: str) -> dict | None:
-    text = storage.read_text_or_none(path)
-    if text is None:
-        return None
     try:
+        text = storage.read_text_or_none(path)
+        if text is None:
+            return None
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, CorruptCheckpointError):
         # Records are published atomically, so this is damage from outside ckptd; skipping it
         # errs on the side of not committing.
         log.error("ignoring unreadable ledger record %s", path)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.layout import TRACKERS, read_tracker
 from ckptd.storage import Storage, explains_credentials
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
@@ -126,6 +127,7 @@ def resume(
         check_step(step, "step")
     storage, committed = _choose_tier(Storage(root, storage_options), step, mirror, mirror_storage_options)
     if committed is None:
+        _check_fresh_start(storage)
         log.info("no committed checkpoint under %s%s: starting fresh", root, f" or {mirror}" if mirror else "")
         return None
     prefix = state_dir.strip("/") + "/" if state_dir.strip("/") else ""
@@ -242,6 +244,19 @@ def _scheduler_state(storage: Storage, committed: CommittedStep, prefix: str, ra
             "none of them is the state of a rank of another world size; resume with the same world size, or "
             "leave lr_scheduler=None")
     return states[0]
+
+
+def _check_fresh_start(storage: Storage) -> None:
+    """Refuse to start fresh where a start would not be fresh: the root is a file, or its tracker
+    names a step ckptd did not commit (another tool's checkpoint: its training would be lost)."""
+    if storage.root_problem() == "it is a file, not a directory":
+        storage.require_root()
+    named = read_tracker(storage, Kind.CHECKPOINT)
+    if named is not None:
+        raise CheckpointError(
+            f"{storage.join(TRACKERS[Kind.CHECKPOINT])} names step {named}, which ckptd did not commit (it has "
+            "no manifest): another tool's checkpoint? ckptd resumes only the steps it committed. Load that step "
+            "with the tool that saved it, or remove the tracker to start fresh")
 
 
 def _choose_tier(local: Storage, step: int | None, mirror: str | None,

@@ -10,10 +10,20 @@ is left, on the root and (if given) on its mirror. Run it before starting the ne
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError
-from ckptd.layout import MANIFESTS, TRACKERS, read_template, scan_steps
+from ckptd.layout import (
+    LEDGER_DIR,
+    MANIFESTS,
+    TRACKERS,
+    StepEntry,
+    foreign_steps,
+    read_template,
+    read_tracker,
+    scan_steps,
+)
 from ckptd.storage import Storage, explains_credentials
 from ckptd.units import check_step
 
@@ -46,6 +56,7 @@ def retire_steps(root: str, after: int, *, storage_options: dict | None = None, 
     """
     after = check_step(after, "after")
     storage = Storage(root, storage_options)
+    require_ckptd_root(storage)
     refuse_live(storage, "retiring steps")
     retired = _retire(storage, after)
     if mirror is not None:
@@ -71,9 +82,43 @@ def refuse_live(storage: Storage, doing: str) -> None:
         )
 
 
+def require_ckptd_root(storage: Storage) -> None:
+    """Raise :class:`CheckpointConfigError` unless ckptd has saved into the root (it has a ledger)."""
+    storage.require_root()
+    if not storage.exists(storage.join(LEDGER_DIR)):
+        raise CheckpointConfigError(
+            f"nothing under {storage.url} was saved by ckptd (it has no {LEDGER_DIR} directory): ckptd only "
+            "retires the steps it saved. Check the path")
+
+
+def steps_to_retire(root: str, after: int, *, storage_options: dict | None = None) -> list[int]:
+    """The step directories :func:`retire_steps` would remove, oldest first (nothing is changed).
+
+    Raises:
+        CheckpointConfigError: as :func:`retire_steps` (but a live monitor is not looked for).
+    """
+    after = check_step(after, "after")
+    storage = Storage(root, storage_options)
+    require_ckptd_root(storage)
+    return sorted(_plan(storage, after)[2])
+
+
+def _plan(storage: Storage, after: int) -> tuple[dict[int, StepEntry], Callable[[int], bool], list[int]]:
+    """The root's steps, which of them are ckptd's, and the steps newer than ``after`` to retire."""
+    template = read_template(storage)
+    entries = scan_steps(storage, template)
+    foreign = foreign_steps(storage, template) or set()
+
+    def ours(step: int) -> bool:
+        """Not another tool's step directory (:func:`ckptd.layout.foreign_steps`), which stays (with
+        a tracker that names it)."""
+        return bool(entries[step].kinds) or step not in foreign
+
+    return entries, ours, sorted((s for s in entries if s > after and ours(s)), reverse=True)
+
+
 def _retire(storage: Storage, after: int) -> list[int]:
-    entries = scan_steps(storage, read_template(storage))
-    newer = sorted((s for s in entries if s > after), reverse=True)
+    entries, ours, newer = _plan(storage, after)
     for step in newer:
         path = storage.join(entries[step].name)
         for kind in (Kind.CHECKPOINT, Kind.STATE_DICT):
@@ -81,6 +126,9 @@ def _retire(storage: Storage, after: int) -> list[int]:
     for kind in Kind:
         kept = [s for s, e in entries.items() if s <= after and (Kind.CHECKPOINT in e.kinds or kind in e.kinds)]
         tracker = storage.join(TRACKERS[kind])
+        named = read_tracker(storage, kind)
+        if named is not None and named in entries and not ours(named):
+            continue  # another tool's tracker, naming its own step
         if kept:
             storage.write_atomic(tracker, f"{max(kept)}\n".encode())
         else:

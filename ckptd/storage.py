@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ckptd import phases
 from ckptd.commit import TMP_PREFIX, CommitStrategy, check_publish, fsync_path, strategy_for
 from ckptd.direct_io import MODES, DirectIO, current_mode
-from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.errors import CheckpointConfigError, CheckpointError, CorruptCheckpointError
 from ckptd.walk import FileStat, scan, scan_large
 
 __all__ = ["TMP_PREFIX", "FileStat", "Storage", "explains_credentials"]
@@ -70,6 +70,19 @@ class Storage:
         self.commit: CommitStrategy = strategy_for(self.fs)
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.url = self.root if self.is_posix else f"{protocol}://{self.root.lstrip('/')}"
+
+    def root_problem(self) -> str | None:
+        """Why the root holds no checkpoints as it is, in words (it does not exist, or is a file),
+        or None: a directory (on an object store, a prefix with objects under it)."""
+        if self.fs.isdir(self.root):
+            return None
+        return "it is a file, not a directory" if self.fs.exists(self.root) else "it does not exist"
+
+    def require_root(self) -> None:
+        """Raise :class:`CheckpointConfigError` unless the root is a directory (:meth:`root_problem`)."""
+        problem = self.root_problem()
+        if problem is not None:
+            raise CheckpointConfigError(f"checkpoint root {self.url!r} cannot be used: {problem}. Check the path")
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -141,10 +154,20 @@ class Storage:
         return self.fs.cat_file(path)
 
     def read_text_or_none(self, path: str) -> str | None:
+        """The UTF-8 text of ``path``, or None if it does not exist.
+
+        Raises:
+            CorruptCheckpointError: the file is not UTF-8 (ckptd writes its files whole: damage, or
+                something else wrote it).
+        """
         try:
-            return self.fs.cat_file(path).decode()
+            data = self.fs.cat_file(path)
         except (FileNotFoundError, NotADirectoryError):  # a path under a file does not exist either
             return None
+        try:
+            return data.decode()
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{path}: not UTF-8 text ({e}): damaged, or written by something else") from e
 
     def open(self, path: str, mode: str = "rb") -> IO[bytes]:
         return self.fs.open(path, mode)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError, CorruptCheckpointError
 from ckptd.layout import MANIFESTS, find_step_dir, newest_committed, parse_kind
-from ckptd.manifest import FileEntry, Manifest, crc32_file
+from ckptd.manifest import FileEntry, Manifest, crc32_file, parse_manifest
 from ckptd.storage import Storage, explains_credentials
-from ckptd.workers.files import load_json, mismatch, read_verified
+from ckptd.workers.files import mismatch, read_verified
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
         CheckpointError: ``step`` was given and is not committed as ``kind`` (or at all).
     """
     if step is None:
-        step = newest_committed(storage, kind or Kind.CHECKPOINT)
+        step = newest_committed(storage, kind or Kind.CHECKPOINT, past_tracker=True)
         if step is None:
             return None
     name = find_step_dir(storage, step)
@@ -52,7 +52,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
         mpath = f"{path}/{MANIFESTS[k]}"
         text = storage.read_text_or_none(mpath)
         if text is not None:
-            manifests[k] = Manifest.model_validate(load_json(text.encode(), mpath))
+            manifests[k] = parse_manifest(text, mpath)
     if path is None or not manifests or kind is Kind.CHECKPOINT and Kind.CHECKPOINT not in manifests:
         what = f"as a {kind.value}" if kind is not None else "(it has no manifest)"
         raise CheckpointError(f"step {step} is not committed {what} under {storage.url}: "

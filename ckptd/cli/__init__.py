@@ -76,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except Exception as e:  # the subcommands print a CheckpointError; a storage client's is told here
-        if not credentials_missing(e):
+    except Exception as e:  # what a subcommand did not say itself: ckptd's errors, a storage client's
+        from ckptd.errors import CheckpointError
+
+        if isinstance(e, CheckpointError):
+            print(f"FAILED: {e}", file=sys.stderr)
+        elif credentials_missing(e):
+            print(f"FAILED: {no_credentials_error(getattr(args, 'root', None), e)}", file=sys.stderr)
+        else:
             raise
-        print(f"FAILED: {no_credentials_error(getattr(args, 'root', None), e)}", file=sys.stderr)
         return 1
 
 
@@ -125,13 +130,11 @@ def _run(args: argparse.Namespace) -> int:
 def _retire(args: argparse.Namespace) -> int:
     from ckptd.cli.cluster import refuse_live_root
     from ckptd.errors import CheckpointError
-    from ckptd.layout import scan_steps
-    from ckptd.retire import retire_steps
-    from ckptd.storage import Storage
+    from ckptd.retire import retire_steps, steps_to_retire
 
     try:
+        newer = steps_to_retire(args.root, args.after)  # checks the arguments first, as --yes does
         refuse_live_root(args.root, args.address, "retiring steps")
-        newer = sorted(s for s in scan_steps(Storage(args.root)) if s > args.after)
         if not args.yes:
             print(f"would retire steps {newer} under {args.root}; run again with --yes")
             return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,12 +27,25 @@ def connected(address: str, namespace: str | None = None) -> Iterator[None]:
     """
     import ray
 
+    _probe(address)
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR,
              configure_logging=False)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError at once if nothing listens at a ``host:port`` (or ``ray://host:port``)
+    address: Ray itself keeps trying to reach a missing cluster for a minute or more."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return  # "auto", "local", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing listens at {address} ({e})") from e
 
 
 def monitor_of(run: str, namespace: str | None) -> Any:
@@ -60,5 +74,11 @@ def refuse_live_root(root: str, address: str, doing: str) -> None:
     try:
         with connected(address):
             refuse_live(Storage(root), doing)
-    except ConnectionError:
-        return
+    except ConnectionError as e:
+        if address == "auto":
+            return  # no cluster on this machine: no monitor of it can be live
+        from ckptd.errors import CheckpointConfigError
+
+        raise CheckpointConfigError(
+            f"no Ray cluster at {address!r} ({e}): cannot check that no monitor is live on {root} before "
+            f"{doing}. Fix --address, or leave it out when no cluster runs the root's job") from e

@@ -56,7 +56,21 @@ def add_parsers(sub: Any, storage_options_help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"latest": _latest, "ls": _ls, "show": _show, "export-hf": _export}[args.command](args)
+    from ckptd.errors import CheckpointError
+
+    try:
+        return {"latest": _latest, "ls": _ls, "show": _show, "export-hf": _export}[args.command](args)
+    except CheckpointError as e:  # a damaged manifest or tracker, an unreadable root: said, not a traceback
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+
+
+def _nothing_committed(root: str) -> str:
+    """What to say when nothing is committed under ``root``: why, if the root itself is the reason."""
+    from ckptd.storage import Storage
+
+    problem = Storage(root).root_problem()
+    return f"nothing is committed under {root}" + (f": {problem}" if problem else "")
 
 
 def _latest(args: argparse.Namespace) -> int:
@@ -69,12 +83,13 @@ def _latest(args: argparse.Namespace) -> int:
         for kind, step in found.items():
             print(f"{kind}: {'-' if step is None else step}")
     if all(v is None for v in found.values()):
-        print(f"nothing is committed under {args.root}", file=sys.stderr)
+        print(_nothing_committed(args.root), file=sys.stderr)
         return 1
     return 0
 
 
 def _rows(root: str, mirror: str | None) -> list[dict]:
+    from ckptd.errors import CheckpointError
     from ckptd.layout import scan_steps
     from ckptd.monitor.publication import leased_steps
     from ckptd.storage import Storage
@@ -83,13 +98,22 @@ def _rows(root: str, mirror: str | None) -> list[dict]:
     storage = Storage(root)
     mirrored: set[int] = set()
     if mirror is not None:
+        problem = Storage(mirror).root_problem()
+        if problem is not None:
+            print(f"warning: the mirror {mirror} cannot be read ({problem}): no step shows as mirrored",
+                  file=sys.stderr)
         mirrored = {s for s, e in scan_steps(Storage(mirror)).items() if e.kinds}
     pinned = leased_steps(storage)
     rows = []
     for step, entry in sorted(scan_steps(storage).items()):
         if not entry.kinds:
             continue
-        committed = open_step(storage, step, None)
+        try:
+            committed = open_step(storage, step, None)
+        except CheckpointError as e:  # one damaged manifest does not hide the other steps
+            rows.append({"step": step, "kinds": sorted(k.value for k in entry.kinds), "error": str(e),
+                         "path": storage.join(entry.name)})
+            continue
         rows.append({
             "step": step, "kinds": sorted(k.value for k in entry.kinds), "files": len(committed.files),
             "bytes": sum(f.size for f in committed.files.values()), "path": committed.path,
@@ -100,18 +124,22 @@ def _rows(root: str, mirror: str | None) -> list[dict]:
 
 def _ls(args: argparse.Namespace) -> int:
     rows = _rows(args.root, args.mirror)
+    damaged = [r for r in rows if "error" in r]
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0 if rows else 1
+        return 0 if rows and not damaged else 1
     if not rows:
-        print(f"nothing is committed under {args.root}", file=sys.stderr)
+        print(_nothing_committed(args.root), file=sys.stderr)
         return 1
     print(f"{'step':>8}  {'kinds':<22} {'files':>5} {'size':>10}  {'mirrored':<8} {'pinned':<6}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['step']:>8}  {','.join(r['kinds']):<22} DAMAGED: {r['error']}")
+            continue
         mirrored = "-" if r["mirrored"] is None else ("yes" if r["mirrored"] else "no")
         print(f"{r['step']:>8}  {','.join(r['kinds']):<22} {r['files']:>5} {size(r['bytes']):>10}  "
               f"{mirrored:<8} {'yes' if r['pinned'] else 'no':<6}")
-    return 0
+    return 1 if damaged else 0
 
 
 def size(n: int) -> str:
@@ -155,8 +183,12 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         if args.config is not None:
-            with open(args.config) as f:
-                config = json.load(f)
+            try:
+                with open(args.config) as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                print(f"FAILED: --config {args.config}: not a readable JSON model config ({e})", file=sys.stderr)
+                return 1
         else:
             storage = Storage(args.root)
             committed = open_step(storage, args.step, None)

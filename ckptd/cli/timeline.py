@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if _is_root(args):
             run_name, spans = spans_of_root(args.source, args.run, args.storage_options)
+        elif "/" in args.source or args.source.startswith("."):  # a path, as run names cannot be
+            print(f"FAILED: {args.source}: no such checkpoint root (a path that does not exist)", file=sys.stderr)
+            return 1
         else:
             run_name, spans = _live(args)
         if args.attempt == "newest":

@@ -24,7 +24,7 @@ from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.fencing import AttemptRecord, FencedError, check_fence
-from ckptd.layout import read_tracker
+from ckptd.layout import foreign_steps, read_tracker
 from ckptd.metrics import RunMetrics
 from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, started_before
 from ckptd.monitor.commit import Committer
@@ -136,7 +136,8 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),
                                           self._readers, self._metrics, self._fence_failed_leftovers,
-                                          partial(check_fence, self._storage, attempt))
+                                          partial(check_fence, self._storage, attempt),
+                                          foreign_steps(self._storage, self._template) or set())
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,

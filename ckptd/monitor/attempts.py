@@ -26,8 +26,8 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
 from ckptd.layout import MANIFESTS, listed_files, scan_steps
-from ckptd.manifest import Manifest, changed_files, is_internal
-from ckptd.protocol import attempt_pending_dir, pending_attempts
+from ckptd.manifest import changed_files, is_internal, parse_manifest
+from ckptd.protocol import attempt_pending_dir, pending_attempts, recorded_steps
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 
@@ -94,9 +94,8 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
     touched: set[int] = set()
     for other in pending_attempts(storage):
         if other < attempt:
-            d = attempt_pending_dir(storage, other)
-            touched |= {int(n) for n in storage.listdir(d) if n.isdigit()}
-            storage.rm(d)
+            touched |= recorded_steps(storage, other)
+            storage.rm(attempt_pending_dir(storage, other))
             removed.append(f"ledger records of attempt {other}")
     for step, entry in sorted(scan_steps(storage, template).items()):
         if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched):
@@ -122,5 +121,6 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
 
 def _stale_state_dict(storage: Storage, name: str) -> bool:
     """Whether step directory ``name`` has a state-dict manifest listing bytes storage no longer holds."""
-    text = storage.read_text_or_none(storage.join(name, MANIFESTS[Kind.STATE_DICT]))
-    return text is not None and bool(changed_files(storage, name, Manifest.model_validate_json(text).files))
+    path = storage.join(name, MANIFESTS[Kind.STATE_DICT])
+    text = storage.read_text_or_none(path)
+    return text is not None and bool(changed_files(storage, name, parse_manifest(text, path).files))

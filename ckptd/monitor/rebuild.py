@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
-from ckptd.manifest import Manifest
+from ckptd.layout import MANIFESTS, StepEntry, Trusted, foreign_steps, scan_steps
+from ckptd.manifest import parse_manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.storage import Storage
@@ -41,8 +41,9 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         for kind in entry.kinds:
             manifest = None
             if kind is SD and Kind.CHECKPOINT not in entry.kinds:
-                text = storage.read_text_or_none(storage.join(entry.name, MANIFESTS[kind]))
-                manifest = Manifest.model_validate_json(text) if text else None
+                path = storage.join(entry.name, MANIFESTS[kind])
+                text = storage.read_text_or_none(path)
+                manifest = parse_manifest(text, path) if text else None
             ledger.mark_committed(step, kind, now, manifest and manifest.units, manifest and manifest.files)
     recorded_failed: set[tuple[int, Kind]] = set()
     for pending in protocol.load_pending(storage, attempt):
@@ -72,7 +73,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
         # cut short (the failure is recorded first), which the start-up finishes.
         newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
-        _repair_trackers(committer, ledger, newest, trackers, recorded_failed)
+        _repair_trackers(committer, ledger, newest, trackers, _not_ours(storage, template, scanned), recorded_failed)
     return out
 
 
@@ -91,17 +92,29 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
                     trackers: dict[Kind, int | None], trusted: Trusted) -> None:
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
-    _repair_trackers(committer, ledger, _newest(scan_steps(storage, template), trusted), trackers)
+    scanned = scan_steps(storage, template)
+    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(storage, template, scanned))
+
+
+def _not_ours(storage: Storage, template: StepDirTemplate, scanned: dict[int, StepEntry]) -> set[int]:
+    """Another tool's step directories (:func:`ckptd.layout.foreign_steps`) still without a manifest."""
+    return {s for s in foreign_steps(storage, template) or () if s in scanned and not scanned[s].kinds}
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],
-                     trackers: dict[Kind, int | None], failed: set[tuple[int, Kind]] = frozenset()) -> None:
+                     trackers: dict[Kind, int | None], not_ours: set[int],
+                     failed: set[tuple[int, Kind]] = frozenset()) -> None:
     """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
     edited by hand (or left by a retirement) may name a step that is not committed, or one whose
     failure is recorded (``failed``: a withdrawal cut short). All are set to the newest committed
-    step."""
+    step. A tracker that names a step directory of another tool's (``not_ours``) while ckptd has
+    committed no step of the kind is that tool's: it stays until ckptd's first commit of the kind
+    replaces it."""
     for kind in Kind:  # a kind with nothing committed has no entry in ``newest``
         step, current = newest.get(kind, -1), trackers[kind]
+        if current is not None and current in not_ours and step < 0:
+            trackers[kind] = None  # left on storage, but no step of ckptd's: none to tell callers of
+            continue
         wrong = current is not None and ((current, kind) in failed or not ledger.is_committed(current, kind))
         if step < 0:
             if wrong:

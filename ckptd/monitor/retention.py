@@ -13,7 +13,9 @@ Rules:
 * A directory with no manifest that is older than the newest commit and not in flight is a
   leftover of a failed or crashed save: deleted at once if the monitor knows the step failed,
   else once nothing in it has changed for a grace period (a save the monitor has not heard of,
-  after a restart, may still be writing it).
+  after a restart, may still be writing it). Not one the root held before ckptd first used it,
+  though (:func:`ckptd.layout.foreign_steps`: another tool's checkpoint, a run switched to ckptd
+  half-way): those are never deleted.
 * A step is claimed on the monitor's event loop right before its deletion: one that is in flight
   by then (a save of an older step that began after the pass read what is in flight, and may
   have committed its state dict before the scan) is kept, and a unit or registration of a
@@ -59,6 +61,7 @@ class RetentionPlan:
     delete: list[StepEntry] = field(default_factory=list)  # committed, past the policy
     leftovers_failed: list[StepEntry] = field(default_factory=list)  # uncommitted, step failed
     leftovers_idle: list[StepEntry] = field(default_factory=list)  # uncommitted, delete if unchanged
+    not_ours: list[StepEntry] = field(default_factory=list)  # uncommitted, another tool's: kept
     # The committed steps counted among the newest max_state_dict_to_keep: the deletions hold
     # only while each of them stays committed.
     counted_newest: set[int] = field(default_factory=set)
@@ -72,7 +75,7 @@ def _newest(steps: list[int], n: int | None) -> set[int]:
 
 def plan_retention(
     entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int],
-    withdrawing: set[int] = frozenset(), settling: set[int] = frozenset(),
+    withdrawing: set[int] = frozenset(), settling: set[int] = frozenset(), foreign: set[int] = frozenset(),
 ) -> RetentionPlan:
     """Decide what to delete.
 
@@ -87,6 +90,8 @@ def plan_retention(
         settling: Steps with a commit in flight, whose manifest may be visible and still be taken
             back (an uncertain publish): kept, and counted neither as a checkpoint nor as a state
             dict, for the same reason.
+        foreign: Steps whose directories another tool wrote (:func:`ckptd.layout.foreign_steps`):
+            uncommitted, they are not ckptd's to delete.
     """
     plan = RetentionPlan()
     committed = sorted(s for s, e in entries.items() if e.committed)
@@ -110,6 +115,8 @@ def plan_retention(
             plan.delete.append(entry)
         elif step in failed:
             plan.leftovers_failed.append(entry)
+        elif step in foreign:
+            plan.not_ours.append(entry)
         else:
             plan.leftovers_idle.append(entry)
     return plan

@@ -42,13 +42,18 @@ class RetentionRunner:
         check_fence: Raises FencedError once a newer attempt owns the root; called before a
             pass scans and before each deletion. A fenced runner runs no pass any more
             (``fenced`` says why).
+        foreign: The steps whose directories another tool wrote (:func:`ckptd.layout.foreign_steps`):
+            uncommitted, they stay.
     """
 
     def __init__(self, storage: Storage, template, opts: MonitorOptions, ledger, spawn, in_thread,
                  protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None,
                  fence: Callable[[set[int]], None] | None = None,
-                 check_fence: Callable[[], None] | None = None) -> None:
+                 check_fence: Callable[[], None] | None = None,
+                 foreign: set[int] = frozenset()) -> None:
         self._fence = fence
+        self._foreign = foreign
+        self._not_ours_told: set[str] = set()  # another tool's directories, logged once each
         self._check_fence = check_fence
         self.fenced: str | None = None
         self._metrics = metrics or RunMetrics(None)
@@ -151,7 +156,12 @@ class RetentionRunner:
         failpoints.hit("before_retention_scan")
         entries = scan_steps(self._storage, self._template)
         plan = plan_retention(entries, self._policy, protected=protected, failed=at_once, withdrawing=withdrawing,
-                              settling=settling)
+                              settling=settling, foreign=self._foreign)
+        for entry in plan.not_ours:
+            if entry.name not in self._not_ours_told:
+                self._not_ours_told.add(entry.name)
+                log.info("%s was in the root before ckptd (another tool's checkpoint): retention leaves it alone",
+                         entry.name)
         self._counted = plan.counted_newest | plan.counted_checkpoints
         self._counted_kinds = {s: entries[s].kinds for s in self._counted}
         failpoints.hit("after_retention_plan")

@@ -10,12 +10,14 @@ weights is left out.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import ray
 
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointConfigError, CheckpointError
+from ckptd.layout import LEDGER_DIR
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.units import check_step
@@ -52,11 +54,14 @@ def export_hf_step(
             tokenizer).
 
     Raises:
+        CheckpointConfigError: ``out_dir`` is inside a checkpoint root, is a file, or is not empty
+            (nothing is read or written then).
         CheckpointError: ``step`` did not commit within ``wait_s``.
         CorruptCheckpointError: a shard differs from the manifest.
     """
     check_step(step)
     storage = Storage(root, storage_options)
+    _check_out_dir(storage, Storage(out_dir, out_storage_options))
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -68,6 +73,35 @@ def export_hf_step(
             time.sleep(0.1)
     weights = read_weights(storage, committed, model_dir)
     return save_hf_model(out_dir, weights.state_dict(), config, storage_options=out_storage_options, **hf_options)
+
+
+def _check_out_dir(root: Storage, out: Storage) -> None:
+    """Refuse an ``out_dir`` whose files the export would mix with others, before anything is read:
+    one inside a checkpoint root (whose committed files never change), or one that is not empty
+    (``from_pretrained`` would load another export's ``model.safetensors`` or index beside it)."""
+    inside = out.fs is root.fs or type(out.fs) is type(root.fs)
+    if inside and (out.root == root.root or out.root.startswith(root.root.rstrip("/") + "/")):
+        raise CheckpointConfigError(
+            f"out_dir {out.url!r} is inside the checkpoint root {root.url!r}, whose committed files must never "
+            "change: export to a directory outside it")
+    if out.is_posix:
+        here = out.root
+        while True:  # inside another root: a directory above holds ckptd's ledger
+            if os.path.isdir(os.path.join(here, LEDGER_DIR)):
+                raise CheckpointConfigError(
+                    f"out_dir {out.url!r} is inside the checkpoint root {here!r}, whose committed files must never "
+                    "change: export to a directory outside it")
+            parent = os.path.dirname(here)
+            if parent == here:
+                break
+            here = parent
+    problem = out.root_problem()
+    if problem == "it is a file, not a directory":
+        raise CheckpointConfigError(f"out_dir {out.url!r} is a file: give a new or empty directory")
+    if problem is None and out.listdir(out.root):
+        raise CheckpointConfigError(
+            f"out_dir {out.url!r} is not empty: weights left there from another export would load instead of, or "
+            "beside, these (from_pretrained reads model.safetensors or its index). Give a new or empty directory")
 
 
 def export_hf_async(root: str, step: int, out_dir: str, config: Any, **kwargs: Any) -> ray.ObjectRef:

@@ -219,10 +219,12 @@ def locate(committed: CommittedStep, model_dir: str | None) -> tuple[str, str]:
         rel = model_dir.strip("/")
         if rel not in dirs:
             where = f"in {rel!r}" if rel else "in the step directory"
-            have = f"; weights are in {sorted(dirs)}" if dirs else f"; it has {_summary(committed)}"
+            found = ", ".join(repr(d) if d else "'' (the step directory itself)" for d in sorted(dirs))
+            have = f"; weights are in {found}" if dirs else f"; it has {_summary(committed)}"
             raise CheckpointConfigError(
                 f"step {committed.step} has no model weights {where} (no model.safetensors, index, sharded, "
-                f"adapter or single .pt file){have}. Pass model_dir= where they were written"
+                f"adapter or single .pt file){have}. Pass model_dir= (--model-dir on the command line) where "
+                "they were written"
             )
         return rel, dirs[rel]
     if len(dirs) == 1:
@@ -230,7 +232,8 @@ def locate(committed: CommittedStep, model_dir: str | None) -> tuple[str, str]:
     if not dirs:
         raise CheckpointConfigError(
             f"step {committed.step} has no model weights (no model.safetensors, index, sharded, adapter or "
-            f"single .pt file); it has {_summary(committed)}"
+            f"single .pt file); it has {_summary(committed)}. A state saved with save_state_async is the "
+            "model's weights when its name is 'model' (model.safetensors)"
         )
     raise CheckpointConfigError(
         f"step {committed.step} has weights in several directories {sorted(dirs)}; pass model_dir= to pick one"

@@ -272,7 +272,8 @@ def test_bad_input_is_refused_before_anything_is_written(env, tmp_path):
                                                           "root: .* there, .*elsewhere.* asked. Use ckptd.get_monitor"):
         ckptd.start_monitor(str(tmp_path / "elsewhere"), run=status(monitor).run)
     # Only what differs is named, not every option.
-    with pytest.raises(ckptd.CheckpointConfigError, match=r"something else: max_ckpt_to_keep: \w+ there, 97 asked") as e:
+    differs = r"something else: max_ckpt_to_keep: \w+ there, 97 asked"
+    with pytest.raises(ckptd.CheckpointConfigError, match=differs) as e:
         ckptd.start_monitor(root, run=status(monitor).run, max_ckpt_to_keep=97)
     assert "save_strategy" not in str(e.value) and "step_timeout_s" not in str(e.value)
 

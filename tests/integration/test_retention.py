@@ -95,8 +95,18 @@ def test_a_failed_deletion_is_retried_and_does_not_stop_the_others(make_monitor,
     coord.close()
 
 
+def _old_dir(root: str, step: int, age_s: float) -> None:
+    d = f"{root}/global_step_{step}"
+    os.makedirs(d)
+    open(f"{d}/partial.bin", "wb").write(b"x" * 10)
+    t = time.time() - age_s
+    os.utime(f"{d}/partial.bin", (t, t))
+    os.utime(d, (t, t))
+
+
 def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
+    _old_dir(root, 5, 3600)  # another tool's, there before ckptd: never deleted, however old
     monitor = make_monitor(root, max_state_dict_to_keep=2, leftover_grace_s=600)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     # Wrote a file, then failed: never commits. (Not registered: a registration racing the
@@ -105,18 +115,14 @@ def test_leftovers_of_failed_and_crashed_saves_are_collected(make_monitor, tmp_p
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_all()
     for crashed, age_s in ((2, 3600), (3, 0)):  # from a job that crashed: no ledger record
-        d = f"{root}/global_step_{crashed}"
-        os.makedirs(d)
-        open(f"{d}/partial.bin", "wb").write(b"x" * 10)
-        t = time.time() - age_s
-        os.utime(f"{d}/partial.bin", (t, t))
-        os.utime(d, (t, t))
-    _save(coord, root, 4, full=False)
-    coord.wait_committed(4, is_state_dict=True, timeout_s=60)
+        _old_dir(root, crashed, age_s)
+    _save(coord, root, 6, full=False)
+    coord.wait_committed(6, is_state_dict=True, timeout_s=60)
     assert ray.get(monitor.wait_retention.remote(60))
     # Failed step 1 at once, crashed step 2 (untouched for an hour) too; step 3 was written
-    # moments ago, perhaps by a save this monitor has not heard of yet: it stays for now.
-    assert step_dirs(root) == {3, 4}
+    # moments ago, perhaps by a save this monitor has not heard of yet: it stays for now; so
+    # does step 5, another tool's.
+    assert step_dirs(root) == {3, 5, 6}
     # The failed step's records stay: they are what tells a restarted monitor that it failed.
     assert ledger_records(root, 1) != []
     restart_monitor(monitor)

@@ -6,7 +6,7 @@ crash, a preempted cluster, a run abandoned half-way. What counts as a leftover:
 
 * a step directory with no manifest (a save that never committed, of this attempt or an older
   one), unless the root held it before ckptd first used it (another tool's checkpoint,
-  :func:`ckptd.layout.foreign_steps`): that one is kept, and listed as such;
+  :func:`ckptd.layout.foreign_dirs`): that one is kept, and listed as such;
 * files in a step committed only as a state dict that its manifest does not list (the rest of a
   full checkpoint that never committed);
 * temp files of atomic writes (``.ckptd-tmp-*``) anywhere under the root, the retention trash,
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ckptd.commit import TMP_PREFIX
 from ckptd.config import Kind
 from ckptd.fencing import list_attempts
-from ckptd.layout import StepEntry, foreign_steps, kinds_in, listed_files, read_template, read_tracker, scan_steps
+from ckptd.layout import StepEntry, foreign_dirs, kinds_in, listed_files, read_template, read_tracker, scan_steps
 from ckptd.manifest import is_internal
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
@@ -81,14 +81,14 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
     plan = GcPlan(storage.url)
     template = read_template(storage)
     entries = scan_steps(storage, template)
-    foreign = foreign_steps(storage, template)
+    foreign = foreign_dirs(storage)
 
-    def theirs(step: int) -> bool:  # without a manifest: was it there before ckptd (or is ckptd not here)?
-        return foreign is None or step in foreign
+    def theirs(name: str) -> bool:  # without a manifest: was it there before ckptd (or is ckptd not here)?
+        return foreign is None or name in foreign
 
     _hidden_duplicates(plan, storage, template, entries, now, min_idle_s, theirs)
     for step, entry in sorted(entries.items()):
-        if not entry.committed and theirs(step):
+        if not entry.committed and theirs(entry.name):
             plan.not_ours.append(entry.name)
             continue
         files = storage.walk_files(storage.join(entry.name))
@@ -187,7 +187,7 @@ def _internal_leftovers(plan: GcPlan, storage: Storage, now: float, min_idle_s: 
 
 
 def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate, entries: dict[int, StepEntry],
-                       now: float, min_idle_s: float, theirs: Callable[[int], bool]) -> None:
+                       now: float, min_idle_s: float, theirs: Callable[[str], bool]) -> None:
     """Uncommitted directories of a step that another directory holds (an epoch template, with a
     crashed attempt left under another epoch): scan_steps shows one directory per step, so these
     would never be collected."""
@@ -196,7 +196,7 @@ def _hidden_duplicates(plan: GcPlan, storage: Storage, template: StepDirTemplate
         step = template.parse(name)
         if step is None or name in shown or kinds_in(storage, name):
             continue  # not a step directory, the one shown, or a second committed one (not ours to pick)
-        if theirs(step):
+        if theirs(name):
             plan.not_ours.append(name)
             continue
         files = storage.walk_files(storage.join(name))

@@ -85,7 +85,7 @@ def check_template(storage: Storage, template: StepDirTemplate) -> bool:
 def record_template(storage: Storage, template: StepDirTemplate) -> None:
     """Record the root's template, or raise if the root already uses another one. The first
     record also lists the step directories without a manifest that the root holds already:
-    another tool's (:func:`foreign_steps`)."""
+    another tool's (:func:`foreign_dirs`)."""
     if not check_template(storage, template):
         before = sorted(n for n in storage.listdir(storage.root)
                         if template.parse(n) is not None and not kinds_in(storage, n))
@@ -94,16 +94,13 @@ def record_template(storage: Storage, template: StepDirTemplate) -> None:
     _known_templates[storage.url] = template
 
 
-def foreign_steps(storage: Storage, template: StepDirTemplate | None = None) -> set[int] | None:
-    """The steps whose directories another tool wrote: those without a manifest that the root held
-    before ckptd first used it (a run switched to ckptd keeps its old ``global_step_N``
-    directories), which ckptd never deletes. None if ckptd never used the root (no ledger): then
-    every step directory without a manifest is another tool's."""
+def foreign_dirs(storage: Storage) -> set[str] | None:
+    """The step directories another tool wrote: those without a manifest that the root held before
+    ckptd first used it (a run switched to ckptd keeps its old ``global_step_N`` directories), by
+    name; ckptd never deletes them, nor saves into them. None if ckptd never used the root (it
+    records no template): then every step directory without a manifest is another tool's."""
     text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
-    if text is None:
-        return None
-    template = template or read_template(storage)
-    return {step for name in json.loads(text).get(_BEFORE, []) if (step := template.parse(name)) is not None}
+    return None if text is None else set(json.loads(text).get(_BEFORE, []))
 
 
 # -- finding steps -------------------------------------------------------------------------------
@@ -247,8 +244,7 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
 
     Reads the tracker, then confirms the step's manifest exists. A tracker that points at a step
     without a manifest (edited or restored by hand) is not trusted: the newest step with a
-    manifest is returned instead. A newer step with a full checkpoint's manifest wins over the
-    tracker (a monitor died between the two: its restart moves the tracker there too).
+    manifest is returned instead.
 
     Args:
         root: The checkpoint root, a local path or fsspec URL.
@@ -256,37 +252,24 @@ def latest_step(root: str, kind: str = "checkpoint", storage_options: dict | Non
             checkpoints count too).
         storage_options: fsspec options for ``root``.
     """
-    return newest_committed(Storage(root, storage_options), parse_kind(kind), past_tracker=True)
+    return newest_committed(Storage(root, storage_options), parse_kind(kind))
 
 
-def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = None,
-                     past_tracker: bool = False) -> int | None:
+def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = None) -> int | None:
     """:func:`latest_step` on an open :class:`Storage`: the tracker, if its step is committed,
     else the newest step with a manifest.
 
     ``trusted(step, kinds)``: of the manifests storage shows for ``step``, the kinds to count (a
     monitor leaves out a commit still in flight, a step being deleted, a manifest it is about to
-    withdraw). ``past_tracker``: also look at the step directories newer than the tracker's step
-    (one listing of the root): the newest with a full checkpoint's manifest wins. A monitor that
-    died between a manifest and its tracker left the tracker behind, and its restart moves the
-    tracker there; a full checkpoint is never withdrawn, so its manifest is committed whatever
-    the tracker says. (A newer state dict's manifest is not counted: during a withdrawal the
-    tracker goes back first, and the manifest goes after.)"""
+    withdraw)."""
 
-    def kinds_counted(step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
-        return kinds if trusted is None else trusted(step, kinds)
+    def counts(step: int, kinds: frozenset[Kind]) -> bool:
+        return _counts_as(kinds if trusted is None else trusted(step, kinds), kind)
 
     tracked = read_tracker(storage, kind)
-    if tracked is not None and _counts_as(kinds_counted(tracked, manifests_of(storage, tracked)), kind):
-        if past_tracker:
-            template = read_template(storage)
-            newer = sorted(((step, name) for name in storage.listdir(storage.root)
-                            if (step := template.parse(name)) is not None and step > tracked), reverse=True)
-            for step, name in newer:
-                if Kind.CHECKPOINT in kinds_counted(step, kinds_in(storage, name)):
-                    return step
+    if tracked is not None and counts(tracked, manifests_of(storage, tracked)):
         return tracked
-    steps = sorted(s for s, e in scan_steps(storage).items() if _counts_as(kinds_counted(s, e.kinds), kind))
+    steps = sorted(s for s, e in scan_steps(storage).items() if counts(s, e.kinds))
     return steps[-1] if steps else None
 
 

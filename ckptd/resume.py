@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.layout import TRACKERS, read_tracker
+from ckptd.resume_inputs import check_inputs, check_scheduler_state
 from ckptd.storage import Storage, explains_credentials
 from ckptd.units import check_step
 from ckptd.verify import CommittedStep, open_step, read_file
@@ -118,7 +119,8 @@ def resume(
             match, or the world size changed under per-rank state.
         CheckpointError: ``step`` is not committed (on either tier, with a mirror).
     """
-    check_step(rank, "rank")
+    check_inputs(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, rank=rank,
+                 world_size=world_size, restore_rng=restore_rng, model_dir=model_dir)
     if optimizer_name is not None and (optimizer is None or not isinstance(optimizer_name, str) or not optimizer_name):
         raise CheckpointConfigError(
             f"optimizer_name={optimizer_name!r}: give the name the optimizer's state was saved under with "
@@ -211,14 +213,19 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
         optimizer_state = _load(storage, committed, rel, "optimizer", "optimizer_name=")
         _check_optimizer_state(optimizer_state, optimizer, f"{committed.path}/{rel}")
         apply.append(lambda: optimizer.load_state_dict(optimizer_state))
+    # Applied first: the loads most likely to raise (a scheduler or dataloader of the user's own)
+    # then come before the model and the optimizer are changed.
+    first = []
     if lr_scheduler is not None:
         scheduler_state = _scheduler_state(storage, committed, prefix, rank, running if moved else None)
-        apply.append(lambda: lr_scheduler.load_state_dict(scheduler_state))
+        check_scheduler_state(scheduler_state, lr_scheduler, f"step {committed.step}'s lr_scheduler state")
+        first.append(lambda: lr_scheduler.load_state_dict(scheduler_state))
     if dataloader is not None:
         data = _load(storage, committed, prefix + DATA, "dataloader")
         if running is not None and running.epoch_finished:
             data = end_epoch(data)  # also for checkpoints written without it
-        apply.append(lambda: dataloader.load_state_dict(data))
+        first.append(lambda: dataloader.load_state_dict(data))
+    apply = first + apply
     if restore_rng:
         rel = prefix + rank_file("rng", rank)
         if rel in committed.files:
@@ -326,6 +333,12 @@ def _check_optimizer_state(state: Any, optimizer: Any, what: str, hint: str = ""
     groups, saved = optimizer.param_groups, state["param_groups"]
     if len(saved) != len(groups):
         refuse(f"it has {len(saved)} parameter groups, the optimizer {len(groups)}")
+    for g, mine in zip(saved, groups, strict=True):
+        if isinstance(g, dict) and (set(g) - set(mine)) and (set(mine) - set(g)):
+            # Each has options the other lacks: another optimizer class (AdamW's betas against SGD's
+            # momentum), not the same one from another torch version (which only adds options).
+            refuse(f"its parameter groups have {sorted(set(g) - {'params'})}, this "
+                   f"{type(optimizer).__name__}'s {sorted(set(mine) - {'params'})}: another optimizer class")
     params: dict[Any, Any] = {}
     for n, (g, mine) in enumerate(zip(saved, groups, strict=True)):
         ids = g.get("params") if isinstance(g, dict) else None

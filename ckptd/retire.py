@@ -19,7 +19,7 @@ from ckptd.layout import (
     MANIFESTS,
     TRACKERS,
     StepEntry,
-    foreign_steps,
+    foreign_dirs,
     read_template,
     read_tracker,
     scan_steps,
@@ -107,12 +107,12 @@ def _plan(storage: Storage, after: int) -> tuple[dict[int, StepEntry], Callable[
     """The root's steps, which of them are ckptd's, and the steps newer than ``after`` to retire."""
     template = read_template(storage)
     entries = scan_steps(storage, template)
-    foreign = foreign_steps(storage, template) or set()
+    foreign = foreign_dirs(storage) or set()
 
     def ours(step: int) -> bool:
-        """Not another tool's step directory (:func:`ckptd.layout.foreign_steps`), which stays (with
+        """Not another tool's step directory (:func:`ckptd.layout.foreign_dirs`), which stays (with
         a tracker that names it)."""
-        return bool(entries[step].kinds) or step not in foreign
+        return bool(entries[step].kinds) or entries[step].name not in foreign
 
     return entries, ours, sorted((s for s in entries if s > after and ours(s)), reverse=True)
 

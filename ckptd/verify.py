@@ -40,7 +40,7 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
         CheckpointError: ``step`` was given and is not committed as ``kind`` (or at all).
     """
     if step is None:
-        step = newest_committed(storage, kind or Kind.CHECKPOINT, past_tracker=True)
+        step = newest_committed(storage, kind or Kind.CHECKPOINT)
         if step is None:
             return None
     name = find_step_dir(storage, step)

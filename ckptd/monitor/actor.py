@@ -24,7 +24,7 @@ from ckptd import protocol
 from ckptd.config import Kind, MonitorOptions
 from ckptd.errors import CheckpointConfigError, RegistrationConflictError
 from ckptd.fencing import AttemptRecord, FencedError, check_fence
-from ckptd.layout import foreign_steps, read_tracker
+from ckptd.layout import foreign_dirs, read_tracker
 from ckptd.metrics import RunMetrics
 from ckptd.monitor.attempts import clean_up_older_attempts, mark_started, started_before
 from ckptd.monitor.commit import Committer
@@ -132,12 +132,15 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
                                   self._opts.timeline_flush_s, self._in_thread)
         self._spawn(self._recorder.run())
         self._mirror: Mirror | None = None
+        # Another tool's step directories: never deleted, never saved into (see _admit).
+        self._foreign: dict[int, str] = {step: name for name in foreign_dirs(self._storage) or ()
+                                         if (step := self._template.parse(name)) is not None}
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),
                                           self._readers, self._metrics, self._fence_failed_leftovers,
                                           partial(check_fence, self._storage, attempt),
-                                          foreign_steps(self._storage, self._template) or set())
+                                          set(self._foreign.values()))
         if self._opts.mirror is not None:
             self._mirror = Mirror(self._storage, Storage(self._opts.mirror.url, mirror_storage_options),
                                   self._opts.mirror, self._template, self._committed_at_start,

@@ -16,7 +16,7 @@ from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError
-from ckptd.layout import MANIFESTS, StepEntry, foreign_steps, manifests_of, newest_committed, scan_steps
+from ckptd.layout import MANIFESTS, StepEntry, foreign_dirs, manifests_of, newest_committed, scan_steps
 from ckptd.manifest import FileEntry, Manifest, crc32_file
 from ckptd.metrics import RETRIED_REQUESTS
 from ckptd.monitor.retention import plan_retention, run_plan
@@ -149,7 +149,7 @@ class MirrorIO:
         # The mirror's only writer is this monitor: a step directory there without a manifest
         # that is not being uploaded is what a killed upload left, and can go at once; unless the
         # mirror held it before ckptd first used it (another tool's), which stays.
-        foreign = foreign_steps(self.remote, self._template) or set()
-        leftovers = {s for s, e in entries.items() if not e.committed} - protected - foreign
+        foreign = foreign_dirs(self.remote) or set()
+        leftovers = {s for s, e in entries.items() if not e.committed and e.name not in foreign} - protected
         plan = plan_retention(entries, self._policy, protected=protected, failed=leftovers, foreign=foreign)
         return run_plan(self.remote, plan, grace_s=0.0, fence=self._check_fence)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, StepEntry, Trusted, foreign_steps, scan_steps
+from ckptd.layout import MANIFESTS, StepEntry, Trusted, foreign_dirs, scan_steps
 from ckptd.manifest import parse_manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
@@ -73,7 +73,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
         # cut short (the failure is recorded first), which the start-up finishes.
         newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
-        _repair_trackers(committer, ledger, newest, trackers, _not_ours(storage, template, scanned), recorded_failed)
+        _repair_trackers(committer, ledger, newest, trackers, _not_ours(storage, scanned), recorded_failed)
     return out
 
 
@@ -93,12 +93,13 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
     scanned = scan_steps(storage, template)
-    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(storage, template, scanned))
+    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(storage, scanned))
 
 
-def _not_ours(storage: Storage, template: StepDirTemplate, scanned: dict[int, StepEntry]) -> set[int]:
-    """Another tool's step directories (:func:`ckptd.layout.foreign_steps`) still without a manifest."""
-    return {s for s in foreign_steps(storage, template) or () if s in scanned and not scanned[s].kinds}
+def _not_ours(storage: Storage, scanned: dict[int, StepEntry]) -> set[int]:
+    """The steps of another tool's directories (:func:`ckptd.layout.foreign_dirs`) still without a manifest."""
+    foreign = foreign_dirs(storage) or set()
+    return {s for s, entry in scanned.items() if not entry.kinds and entry.name in foreign}
 
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],

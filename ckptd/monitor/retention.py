@@ -14,8 +14,8 @@ Rules:
   leftover of a failed or crashed save: deleted at once if the monitor knows the step failed,
   else once nothing in it has changed for a grace period (a save the monitor has not heard of,
   after a restart, may still be writing it). Not one the root held before ckptd first used it,
-  though (:func:`ckptd.layout.foreign_steps`: another tool's checkpoint, a run switched to ckptd
-  half-way): those are never deleted.
+  though (:func:`ckptd.layout.foreign_dirs`: another tool's checkpoint, a run switched to ckptd
+  half-way), even if a save of ckptd's failed in it: those are never deleted.
 * A step is claimed on the monitor's event loop right before its deletion: one that is in flight
   by then (a save of an older step that began after the pass read what is in flight, and may
   have committed its state dict before the scan) is kept, and a unit or registration of a
@@ -75,7 +75,7 @@ def _newest(steps: list[int], n: int | None) -> set[int]:
 
 def plan_retention(
     entries: dict[int, StepEntry], policy: RetentionPolicy, *, protected: set[int], failed: set[int],
-    withdrawing: set[int] = frozenset(), settling: set[int] = frozenset(), foreign: set[int] = frozenset(),
+    withdrawing: set[int] = frozenset(), settling: set[int] = frozenset(), foreign: set[str] = frozenset(),
 ) -> RetentionPlan:
     """Decide what to delete.
 
@@ -90,8 +90,8 @@ def plan_retention(
         settling: Steps with a commit in flight, whose manifest may be visible and still be taken
             back (an uncertain publish): kept, and counted neither as a checkpoint nor as a state
             dict, for the same reason.
-        foreign: Steps whose directories another tool wrote (:func:`ckptd.layout.foreign_steps`):
-            uncommitted, they are not ckptd's to delete.
+        foreign: The names of the step directories another tool wrote (:func:`ckptd.layout.foreign_dirs`):
+            uncommitted, they are not ckptd's to delete, failed or not.
     """
     plan = RetentionPlan()
     committed = sorted(s for s, e in entries.items() if e.committed)
@@ -113,10 +113,10 @@ def plan_retention(
         entry = entries[step]
         if entry.committed:
             plan.delete.append(entry)
+        elif entry.name in foreign:
+            plan.not_ours.append(entry)
         elif step in failed:
             plan.leftovers_failed.append(entry)
-        elif step in foreign:
-            plan.not_ours.append(entry)
         else:
             plan.leftovers_idle.append(entry)
     return plan

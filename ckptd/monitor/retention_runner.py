@@ -42,7 +42,7 @@ class RetentionRunner:
         check_fence: Raises FencedError once a newer attempt owns the root; called before a
             pass scans and before each deletion. A fenced runner runs no pass any more
             (``fenced`` says why).
-        foreign: The steps whose directories another tool wrote (:func:`ckptd.layout.foreign_steps`):
+        foreign: The names of the step directories another tool wrote (:func:`ckptd.layout.foreign_dirs`):
             uncommitted, they stay.
     """
 
@@ -50,7 +50,7 @@ class RetentionRunner:
                  protected, cleanup, mark_deleted, readers=None, metrics: RunMetrics | None = None,
                  fence: Callable[[set[int]], None] | None = None,
                  check_fence: Callable[[], None] | None = None,
-                 foreign: set[int] = frozenset()) -> None:
+                 foreign: set[str] = frozenset()) -> None:
         self._fence = fence
         self._foreign = foreign
         self._not_ours_told: set[str] = set()  # another tool's directories, logged once each

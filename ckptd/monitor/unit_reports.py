@@ -77,6 +77,16 @@ class UnitReports:
                 results.append(None if kept is None else {"kept": kept})
         return results
 
+    def _why_foreign(self, step: int) -> str | None:
+        """Why no unit may save into ``step``: its directory is another tool's checkpoint."""
+        name = self._foreign.get(step)
+        if name is None:
+            return None
+        return (f"step {step}'s directory {name} holds another tool's checkpoint (it was in the root before ckptd "
+                "first used it): ckptd does not save into it, so as not to mix its files with that checkpoint's, or "
+                "delete them with it later. Save this step under another number, or move that directory out of "
+                "the root")
+
     async def _unreadable(self, event: str, unit: Any, error: Exception) -> dict | None:
         """The answer to a notification the monitor cannot parse (a newer coordinator's, say): a
         refusal, so that it does not count. A report of an end ("finished" or "failed") whose unit
@@ -117,7 +127,7 @@ class UnitReports:
             # where it is gone. Then look again (the write let others run).
             deleted = False
             restored = await self._restore_receipt(uid) or restored
-        why = self._why_fenced()
+        why = self._why_fenced() or self._why_foreign(uid.step)
         if why is None:
             why = self._ledger.admit(uid, time.time())
             if why is not None:

@@ -72,6 +72,11 @@ def export_hf_step(
                 raise
             time.sleep(0.1)
     weights = read_weights(storage, committed, model_dir)
+    if weights.format == "lora":
+        raise CheckpointConfigError(
+            f"step {step} holds a LoRA adapter ({weights.path}), not a whole model: an HF folder of it would load "
+            "as a model with random base weights. Load the base model with the adapter (peft), merge it "
+            "(merge_and_unload) and save_pretrained that, or serve the adapter as it is")
     return save_hf_model(out_dir, weights.state_dict(), config, storage_options=out_storage_options, **hf_options)
 
 

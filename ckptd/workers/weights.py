@@ -186,6 +186,10 @@ class WeightSet:
                 f"step {self.step} holds a LoRA adapter ({self.path}); pass the PeftModel (the base model "
                 "with the adapter) as model"
             )
+        if adapter_name not in model.peft_config:
+            raise CheckpointConfigError(
+                f"the model has no adapter named {adapter_name!r} to load step {self.step}'s adapter into: it has "
+                f"{sorted(model.peft_config)}; pass adapter_name= one of them")
         from peft import get_peft_model_state_dict, set_peft_model_state_dict  # optional, only for adapters
 
         # Checked before anything is copied: peft copies what fits, then reports the rest.

@@ -137,22 +137,6 @@ def test_damaged_trackers_and_manifests_are_said_not_raised_raw(make_monitor, tm
     assert status(monitor).attempt == 2
 
 
-def test_a_tracker_left_behind_a_committed_checkpoint_does_not_hide_it(make_monitor, tmp_path):
-    """A monitor died between step 4's manifest and its tracker: readers find step 4, as the
-    monitor's restart does, so a job resumed from 3 does not have its saves of 4 refused."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    for step in (3, 4):
-        commit_one(coord, step, "model.bin", is_state_dict=False)
-    coord.close()
-    ray.kill(monitor, no_restart=True)
-    write_file(f"{root}/latest_checkpointed_iteration.txt", b"3\n")
-    assert ckptd.latest_step(root) == 4 and ckptd.latest_step(root, "state_dict") == 4
-    assert ckptd.verify(root).step == 4 and ckptd.resume(root).step == 4
-    assert main(["latest", root]) == 0
-
-
 def test_an_export_that_would_mix_files_is_refused_before_anything_is_written(make_monitor, tmp_path):
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)

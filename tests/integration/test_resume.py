@@ -227,6 +227,15 @@ def test_resume_loads_hf_and_lora_checkpoints(make_monitor, tmp_path):
         ckptd.resume(root, model=torch.nn.Linear(2, 2), model_dir="hf")
     with pytest.raises(ckptd.CheckpointConfigError, match="no optimizer state"):
         ckptd.resume(root, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    # An adapter name the model does not have (was peft's KeyError), and an HF export of the adapter
+    # alone (was an HF folder that loaded with random base weights): refused.
+    with pytest.raises(ckptd.CheckpointConfigError, match=r"no adapter named 'nope'.*\['default'\]"):
+        ckptd.resume(root, model=fresh_lora, model_dir="lora", adapter_name="nope")
+    from ckptd.workers.export import export_hf_step
+
+    with pytest.raises(ckptd.CheckpointConfigError, match="holds a LoRA adapter"):
+        export_hf_step(root, 1, str(tmp_path / "hf-of-lora"), model.config, model_dir="lora")
+    assert not os.path.exists(tmp_path / "hf-of-lora")
 
 
 def test_resuming_a_step_whose_saves_wrote_nowhere_in_it_says_it_has_no_files(make_monitor, tmp_path):
@@ -240,3 +249,54 @@ def test_resuming_a_step_whose_saves_wrote_nowhere_in_it_says_it_has_no_files(ma
     coord.close()
     with pytest.raises(ckptd.CheckpointConfigError, match=r"no model weights .*it has no files at all: its manifest"):
         ckptd.resume(root, model=torch.nn.Linear(2, 2))
+
+
+def test_a_resume_that_cannot_load_everything_changes_nothing(make_monitor, tmp_path):
+    """What the saved states do not fit is refused before anything is loaded: a scheduler or an
+    optimizer of another class, objects of the wrong kind, a model on the meta device. Before,
+    a scheduler whose load failed left the model and the optimizer already loaded, and AdamW's
+    state loaded into an SGD (which then failed at its next step). Found by a helper's audit
+    (session 37)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="rank0")
+    job = Job(init_seed=1)
+    job.train(0, 0, 0, until=3)
+    state = capture_training_state(epoch=0, step=3, step_in_epoch=3, batch_size=BATCH, optimizer=job.optimizer,
+                                   lr_scheduler=job.scheduler, dataloader=job.loader)
+    weights = snapshot(job.model.state_dict())
+
+    out = coord.step_dir(3)
+    coord.save_async("model", lambda: save_sharded(f"{out}/model", weights, rank=0, world_size=1), 3)
+    coord.save_async("state", lambda: save_training_state(out, state), 3)
+    coord.register(3, checkpoint_thread_count=2)
+    coord.wait_committed(3, timeout_s=30)
+    coord.close()
+
+    fresh = Job(init_seed=2)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    opt_before = repr(fresh.optimizer.state_dict())
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(fresh.optimizer, lambda e: 1.0)
+    sgd = torch.optim.SGD(fresh.model.parameters(), lr=0.1, momentum=0.9)
+    cases = [
+        (dict(model=fresh.model, optimizer=fresh.optimizer, lr_scheduler=lambda_lr), "not the state of a LambdaLR"),
+        (dict(model=fresh.model, optimizer=sgd), "another optimizer class"),
+        (dict(model=fresh.model, dataloader=[1, 2]), "dataloader= must have state_dict"),
+        (dict(model=fresh.model.state_dict()), "model= must be the model"),
+        (dict(model=fresh.model, optimizer=fresh.model), "optimizer= must be the optimizer"),
+        (dict(model=fresh.model, rank=3, world_size=2), "rank must be in"),
+        (dict(model=fresh.model, restore_rng="no"), "restore_rng must be True or False"),
+    ]
+    for kwargs, said in cases:
+        with pytest.raises(ckptd.CheckpointConfigError, match=said):
+            ckptd.resume(root, **kwargs)
+        assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items()), kwargs
+        assert repr(fresh.optimizer.state_dict()) == opt_before and sgd.state == {}, kwargs
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.25),
+                                   torch.nn.Linear(16, 1))
+    with pytest.raises(ckptd.CheckpointConfigError, match="to_empty"):
+        ckptd.resume(root, model=meta)
+    resumed = ckptd.resume(root, model=fresh.model, optimizer=fresh.optimizer, lr_scheduler=fresh.scheduler,
+                           model_dir="model")
+    assert resumed.step == 3 and all(torch.equal(v, weights[k]) for k, v in fresh.model.state_dict().items())

@@ -56,21 +56,27 @@ def test_another_tools_checkpoints_in_the_root_are_never_deleted(make_monitor, t
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     for step in (20, 21, 22):
         commit_one(coord, step, "model.bin", is_state_dict=False)
+    # A save at a step number the other tool has: refused before it writes (its files would mix with
+    # that checkpoint's, and go with the step later); the failed step's directory stays theirs.
+    with pytest.raises(ckptd.CheckpointSaveError, match="global_step_15 holds another tool's checkpoint"):
+        coord.save_sync(lambda: write_file(f"{root}/global_step_15/model.bin", b"ckptd's"), 15)
+    commit_one(coord, 23, "model.bin", is_state_dict=False)
     assert ray.get(monitor.wait_retention.remote(60))
-    assert status(monitor).retention.deleted_steps == [20]  # ckptd's own step past the policy only
-    assert _theirs_intact(root) and tracker_of(root, CKPT) == 22  # ckptd's first commit took the tracker
+    assert status(monitor).retention.deleted_steps == [20, 21]  # ckptd's own steps past the policy only
+    assert _theirs_intact(root) and not os.path.exists(f"{root}/global_step_15/model.bin")
+    assert tracker_of(root, CKPT) == 23  # ckptd's first commit took the tracker
     coord.close()
     ray.kill(monitor, no_restart=True)
     wait_for(lambda: actor_gone(monitor), what="the monitor to be gone")
 
     plan = plan_gc(root, min_idle_s=0)
-    assert plan.items == [] and plan.not_ours == ["global_step_5", "global_step_10", "global_step_15"]
+    assert plan.items == [] and sorted(plan.not_ours) == ["global_step_10", "global_step_15", "global_step_5"]
     assert main(["gc", root, "--min-idle", "0"]) == 0
     said = "kept (there before ckptd first used the root: another tool's): global_step_5"
     assert said in capsys.readouterr().out
-    assert ckptd.retire_steps(root, after=21) == [22]
-    assert _theirs_intact(root) and tracker_of(root, CKPT) == 21
-    assert ckptd.resume(root).step == 21
+    assert ckptd.retire_steps(root, after=22) == [23]
+    assert _theirs_intact(root) and tracker_of(root, CKPT) == 22
+    assert ckptd.resume(root).step == 22
 
 
 def test_another_tools_checkpoints_in_the_mirror_are_never_deleted(make_monitor, tmp_path):

@@ -256,7 +256,7 @@ def _scheduler_state(storage: Storage, committed: CommittedStep, prefix: str, ra
 def _check_fresh_start(storage: Storage) -> None:
     """Refuse to start fresh where a start would not be fresh: the root is a file, or its tracker
     names a step ckptd did not commit (another tool's checkpoint: its training would be lost)."""
-    if storage.root_problem() == "it is a file, not a directory":
+    if storage.root_problem() == Storage.IS_A_FILE:
         storage.require_root()
     named = read_tracker(storage, Kind.CHECKPOINT)
     if named is not None:

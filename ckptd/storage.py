@@ -71,12 +71,14 @@ class Storage:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.url = self.root if self.is_posix else f"{protocol}://{self.root.lstrip('/')}"
 
+    IS_A_FILE = "it is a file, not a directory"  # what root_problem says of a root that is a file
+
     def root_problem(self) -> str | None:
         """Why the root holds no checkpoints as it is, in words (it does not exist, or is a file),
         or None: a directory (on an object store, a prefix with objects under it)."""
         if self.fs.isdir(self.root):
             return None
-        return "it is a file, not a directory" if self.fs.exists(self.root) else "it does not exist"
+        return self.IS_A_FILE if self.fs.exists(self.root) else "it does not exist"
 
     def require_root(self) -> None:
         """Raise :class:`CheckpointConfigError` unless the root is a directory (:meth:`root_problem`)."""

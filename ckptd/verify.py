@@ -67,8 +67,9 @@ def _why_not(storage: Storage, step: int, path: str | None, manifests: dict[Kind
     """Why a step asked for is not there, in words: what storage shows of it and of the root."""
     if manifests:
         return f"it is committed as a {' and a '.join(k.value for k in manifests)} only"
-    if not storage.exists(storage.root):
-        return "the root does not exist"
+    problem = storage.root_problem()
+    if problem is not None:
+        return f"the root {problem.removeprefix('it ')}"  # does not exist, or is a file
     if path is not None and storage.exists(path):
         return "its directory has no manifest: its saves did not all finish, or it is still being committed"
     newest = [f"{k.value} {s}" for k in Kind if (s := newest_committed(storage, k)) is not None]
@@ -101,8 +102,9 @@ def verify(root: str, step: int | None = None, *, kind: str = "checkpoint",
     storage = Storage(root, storage_options)
     committed = open_step(storage, step, parse_kind(kind) if step is None else None)
     if committed is None:
-        missing = "" if storage.exists(storage.root) else ": the root does not exist"
-        raise CheckpointError(f"no committed {kind} under {storage.url}{missing}")
+        problem = storage.root_problem()
+        raise CheckpointError(f"no committed {kind} under {storage.url}"
+                              + (f": the root {problem.removeprefix('it ')}" if problem else ""))
     problems = []
     for rel, entry in sorted(committed.files.items()):
         path = f"{committed.path}/{rel}"

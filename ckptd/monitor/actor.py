@@ -120,9 +120,12 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._trackers: dict[Kind, int | None] = {k: read_tracker(self._storage, k) for k in Kind}
         self._readers = ReaderRegistry(self._opts.read_lease_s)
         self._version_changed = asyncio.Event()
+        # Another tool's step directories: never deleted, never saved into (see _admit).
+        self._foreign: dict[int, str] = {step: name for name in foreign_dirs(self._storage) or ()
+                                         if (step := self._template.parse(name)) is not None}
         # Runs before the actor serves any request, so blocking I/O is fine here.
         rebuilt = rebuild(self._storage, self._template, self._attempt, self._ledger,
-                          None if self._fenced else self._committer, self._trackers)
+                          None if self._fenced else self._committer, self._trackers, set(self._foreign.values()))
         self._committed_at_start = rebuilt.committed_at_start
         self._restore_readers(rebuilt.scanned)  # before retention: leases recorded by earlier monitors hold their steps
         self._failures_recorded |= rebuilt.failures
@@ -132,9 +135,6 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
                                   self._opts.timeline_flush_s, self._in_thread)
         self._spawn(self._recorder.run())
         self._mirror: Mirror | None = None
-        # Another tool's step directories: never deleted, never saved into (see _admit).
-        self._foreign: dict[int, str] = {step: name for name in foreign_dirs(self._storage) or ()
-                                         if (step := self._template.parse(name)) is not None}
         self._retention = RetentionRunner(self._storage, self._template, self._opts, self._ledger,
                                           self._spawn, self._in_thread, self._protected, self._cleanup,
                                           partial(protocol.write_step_deleted, self._storage, self._attempt),

@@ -120,7 +120,8 @@ class FenceWatch:
         async with self._tracker_lock:
             try:
                 await self._retrying("tracker", repair_trackers, self._storage, self._template, self._committer,
-                                     self._ledger, self._trackers, self._trusted_manifests)
+                                     self._ledger, self._trackers, self._trusted_manifests,
+                                     set(self._foreign.values()))
             except FencedError as e:
                 self._fenced_by(e)
                 self._trackers_unrepaired = True  # at the next lift

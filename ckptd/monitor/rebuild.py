@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import MANIFESTS, StepEntry, Trusted, foreign_dirs, scan_steps
+from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
 from ckptd.manifest import parse_manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
@@ -26,7 +26,7 @@ class Rebuilt:
 
 
 def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: StepLedger,
-            committer: Committer | None, trackers: dict[Kind, int | None]) -> Rebuilt:
+            committer: Committer | None, trackers: dict[Kind, int | None], foreign: set[str]) -> Rebuilt:
     """Fill ``ledger`` from storage, and (with a ``committer``) repair ``trackers`` in storage
     and in the dict.
 
@@ -73,7 +73,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
         # cut short (the failure is recorded first), which the start-up finishes.
         newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
-        _repair_trackers(committer, ledger, newest, trackers, _not_ours(storage, scanned), recorded_failed)
+        _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed)
     return out
 
 
@@ -89,16 +89,16 @@ def _newest(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:
 
 
 def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer, ledger: StepLedger,
-                    trackers: dict[Kind, int | None], trusted: Trusted) -> None:
+                    trackers: dict[Kind, int | None], trusted: Trusted, foreign: set[str]) -> None:
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
     scanned = scan_steps(storage, template)
-    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(storage, scanned))
+    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(scanned, foreign))
 
 
-def _not_ours(storage: Storage, scanned: dict[int, StepEntry]) -> set[int]:
-    """The steps of another tool's directories (:func:`ckptd.layout.foreign_dirs`) still without a manifest."""
-    foreign = foreign_dirs(storage) or set()
+def _not_ours(scanned: dict[int, StepEntry], foreign: set[str]) -> set[int]:
+    """The steps of another tool's directories (``foreign``: :func:`ckptd.layout.foreign_dirs`) still
+    without a manifest."""
     return {s for s, entry in scanned.items() if not entry.kinds and entry.name in foreign}
 
 

@@ -84,8 +84,7 @@ def _check_out_dir(root: Storage, out: Storage) -> None:
     """Refuse an ``out_dir`` whose files the export would mix with others, before anything is read:
     one inside a checkpoint root (whose committed files never change), or one that is not empty
     (``from_pretrained`` would load another export's ``model.safetensors`` or index beside it)."""
-    inside = out.fs is root.fs or type(out.fs) is type(root.fs)
-    if inside and (out.root == root.root or out.root.startswith(root.root.rstrip("/") + "/")):
+    if type(out.fs) is type(root.fs) and (out.root == root.root or out.root.startswith(root.root.rstrip("/") + "/")):
         raise CheckpointConfigError(
             f"out_dir {out.url!r} is inside the checkpoint root {root.url!r}, whose committed files must never "
             "change: export to a directory outside it")
@@ -101,7 +100,7 @@ def _check_out_dir(root: Storage, out: Storage) -> None:
                 break
             here = parent
     problem = out.root_problem()
-    if problem == "it is a file, not a directory":
+    if problem == Storage.IS_A_FILE:
         raise CheckpointConfigError(f"out_dir {out.url!r} is a file: give a new or empty directory")
     if problem is None and out.listdir(out.root):
         raise CheckpointConfigError(

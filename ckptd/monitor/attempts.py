@@ -25,7 +25,7 @@ from ckptd.commit import fsync_path, temp_name
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
-from ckptd.layout import MANIFESTS, listed_files, scan_steps
+from ckptd.layout import MANIFESTS, foreign_dirs, listed_files, scan_steps
 from ckptd.manifest import changed_files, is_internal, parse_manifest
 from ckptd.protocol import attempt_pending_dir, pending_attempts, recorded_steps
 from ckptd.storage import Storage
@@ -84,11 +84,13 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
 
     Only steps an older attempt of ckptd touched are cleaned: steps with its ledger records, and
     steps with a committed state dict (whose files outside that manifest go). Committed files are
-    never touched, and neither are step directories ckptd has no trace of (a root that already
-    held another tool's checkpoints keeps them). The one exception: a state dict committed in a
-    step an older attempt was still saving into, whose listed files storage no longer holds (a
-    unit replaced one, and its monitor did not live to withdraw the state dict), is not committed
-    any more: its manifest goes, and the step is cleaned as uncommitted.
+    never touched, and neither are step directories ckptd has no trace of, nor those the root held
+    before ckptd first used it (another tool's: :func:`ckptd.layout.foreign_dirs`), even where an
+    older attempt left records of a refused save or a registration for their step numbers. The one
+    exception: a state dict committed in a step an older attempt was still saving into, whose
+    listed files storage no longer holds (a unit replaced one, and its monitor did not live to
+    withdraw the state dict), is not committed any more: its manifest goes, and the step is
+    cleaned as uncommitted.
     """
     removed = []
     touched: set[int] = set()
@@ -97,8 +99,9 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
             touched |= recorded_steps(storage, other)
             storage.rm(attempt_pending_dir(storage, other))
             removed.append(f"ledger records of attempt {other}")
+    foreign = foreign_dirs(storage) or set()
     for step, entry in sorted(scan_steps(storage, template).items()):
-        if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched):
+        if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched) or entry.name in foreign:
             continue
         path = storage.join(entry.name)
         if step in touched and _stale_state_dict(storage, entry.name):

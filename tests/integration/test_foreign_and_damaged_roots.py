@@ -79,6 +79,27 @@ def test_another_tools_checkpoints_in_the_root_are_never_deleted(make_monitor, t
     assert ckptd.resume(root).step == 22
 
 
+def test_a_new_job_keeps_another_tools_directories_the_old_job_left_records_for(make_monitor, tmp_path):
+    """The old job's save at another tool's step number was refused, and it registered another of
+    them: its records name those steps. The new job's clean-up of the old attempt's uncommitted
+    steps deleted both directories, and its tracker repair then the other tool's tracker. Found
+    by a helper's attack (session 37)."""
+    root = str(tmp_path / "ckpt")
+    _another_tools_steps(root)
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 20, "weights.bin", is_state_dict=True)  # a state dict only: the checkpoint tracker stays theirs
+    with pytest.raises(ckptd.CheckpointSaveError, match="holds another tool's checkpoint"):
+        coord.save_sync(lambda: write_file(f"{root}/global_step_15/model.bin", b"ckptd's"), 15)
+    coord.register(10, checkpoint_thread_count=2)
+    ray.kill(monitor, no_restart=True)
+    wait_for(lambda: actor_gone(monitor), what="the old job's monitor to be gone")
+    make_monitor(root, run="the-next-job")
+    assert _theirs_intact(root) and tracker_of(root, CKPT) == 15
+    with pytest.raises(ckptd.CheckpointError, match="names step 15"):
+        ckptd.resume(root)
+
+
 def test_another_tools_checkpoints_in_the_mirror_are_never_deleted(make_monitor, tmp_path):
     root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
     _another_tools_steps(mirror)

@@ -210,6 +210,45 @@ def read_tracker(storage: Storage, kind: Kind) -> int | None:
 Trusted = Callable[[int, frozenset[Kind]], frozenset[Kind]]
 
 
+# -- the monitor's records of steps in flight (written and read by ckptd.protocol) -------------
+
+
+def pending_root(storage: Storage) -> str:
+    return storage.join(LEDGER_DIR, "pending")
+
+
+def attempt_pending_dir(storage: Storage, attempt: int) -> str:
+    return f"{pending_root(storage)}/{attempt}"
+
+
+def step_pending_dir(storage: Storage, attempt: int, step: int) -> str:
+    return f"{attempt_pending_dir(storage, attempt)}/{step}"
+
+
+def step_failure_path(storage: Storage, attempt: int, step: int, kind: Kind) -> str:
+    """Where a monitor records that ``kind`` of ``step`` failed."""
+    return f"{step_pending_dir(storage, attempt, step)}/failed-{kind.value}.json"
+
+
+def _not_failed(storage: Storage) -> Trusted:
+    """What a reader without a monitor counts: a manifest whose kind has a recorded failure is a
+    withdrawal under way, or cut short (the failure is recorded before the tracker moves and the
+    manifest goes; the monitor, or the next job's start-up, finishes it). Costs one listing of the
+    ledger, the first time a step has a manifest to look at, and a lookup per such step and kind."""
+    attempts: list[str] | None = None
+
+    def trusted(step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
+        nonlocal attempts
+        if not kinds:
+            return kinds
+        if attempts is None:
+            attempts = [a for a in storage.listdir(pending_root(storage)) if a.isdigit()]
+        return frozenset(k for k in kinds if not any(
+            storage.exists(step_failure_path(storage, int(a), step, k)) for a in attempts))
+
+    return trusted
+
+
 def _counts_as(kinds: frozenset[Kind], kind: Kind) -> bool:
     # A full checkpoint holds the weights too, so it also counts as a state dict.
     return Kind.CHECKPOINT in kinds or (kind is Kind.STATE_DICT and Kind.STATE_DICT in kinds)
@@ -261,16 +300,19 @@ def newest_committed(storage: Storage, kind: Kind, trusted: Trusted | None = Non
 
     ``trusted(step, kinds)``: of the manifests storage shows for ``step``, the kinds to count (a
     monitor leaves out a commit still in flight, a step being deleted, a manifest it is about to
-    withdraw)."""
+    withdraw). Without it, a kind whose failure a monitor recorded is left out: a withdrawal under
+    way, or cut short."""
+
+    trusted = trusted or _not_failed(storage)
 
     def counts(step: int, kinds: frozenset[Kind]) -> bool:
-        return _counts_as(kinds if trusted is None else trusted(step, kinds), kind)
+        return _counts_as(trusted(step, kinds), kind)
 
     tracked = read_tracker(storage, kind)
     if tracked is not None and counts(tracked, manifests_of(storage, tracked)):
         return tracked
-    steps = sorted(s for s, e in scan_steps(storage).items() if counts(s, e.kinds))
-    return steps[-1] if steps else None
+    scanned = scan_steps(storage)
+    return next((s for s in sorted(scanned, reverse=True) if counts(s, scanned[s].kinds)), None)
 
 
 def step_dir(root: str, step: int, *, epoch: int | None = None, storage_options: dict | None = None) -> str:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ckptd.config import Kind
 from ckptd.errors import CorruptCheckpointError
-from ckptd.layout import LEDGER_DIR
+from ckptd.layout import attempt_pending_dir, pending_root, step_failure_path, step_pending_dir
 from ckptd.manifest import FileEntry
 from ckptd.storage import Storage
 
@@ -182,18 +182,6 @@ class Registration(BaseModel):
 # -- the ledger records in storage ---------------------------------------------------------------
 
 
-def pending_root(storage: Storage) -> str:
-    return storage.join(LEDGER_DIR, "pending")
-
-
-def attempt_pending_dir(storage: Storage, attempt: int) -> str:
-    return f"{pending_root(storage)}/{attempt}"
-
-
-def step_pending_dir(storage: Storage, attempt: int, step: int) -> str:
-    return f"{attempt_pending_dir(storage, attempt)}/{step}"
-
-
 def _dump(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
@@ -275,8 +263,8 @@ def write_failed(storage: Storage, attempt: int, unit: UnitId, failure: UnitFail
 
 
 def write_step_failure(storage: Storage, attempt: int, step: int, kind: Kind, reason: str) -> None:
-    path = f"{step_pending_dir(storage, attempt, step)}/failed-{kind.value}.json"
-    _write_record(storage, path, _dump({"reason": reason, "at": time.time()}))
+    body = _dump({"reason": reason, "at": time.time()})
+    _write_record(storage, step_failure_path(storage, attempt, step, kind), body)
 
 
 def write_step_deleted(storage: Storage, attempt: int, step: int, kinds: list[Kind]) -> None:

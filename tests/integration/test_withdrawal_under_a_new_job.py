@@ -35,6 +35,8 @@ def test_a_withdrawal_fenced_before_its_tracker_moved_is_finished_by_the_new_job
     go.set()
     wait_for(lambda: held_at(monitor, "before_revoke"), DEADLINE_S, "the withdrawal held before its tracker moved")
     assert tracker_of(root, SD) == 2  # names a step whose file changed: the window the withdrawal closes
+    assert ckptd.latest_step(root, "state_dict") == 1  # ckptd's readers: its failure is recorded
+    assert ckptd.verify(root, kind="state_dict").step == 1
     # The newer job, from another Ray cluster (which cannot see the old monitor): its attempt fences
     # the old monitor; its start_monitor (here, one that finds that attempt newest and not live here)
     # starts the monitor whose start-up cleans the root up.
@@ -51,4 +53,32 @@ def test_a_withdrawal_fenced_before_its_tracker_moved_is_finished_by_the_new_job
         coord.wait_all()
     assert tracker_of(root, SD) == 1
     assert_trackers_verified(root)
+    coord.close()
+
+
+def test_readers_never_see_a_state_dict_being_withdrawn_when_no_older_one_is_committed(make_monitor, tmp_path):
+    """Nothing older to point the tracker back at: the withdrawal removes the tracker, then the
+    manifest. In between (held at ``before_revoke_rm``), a reader that finds no tracker falls back
+    to the manifests, where the withdrawn state dict's still is; its failure, recorded first, rules
+    it out (it was the newest state dict there, helper-62's break D)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)
+    assert ckptd.latest_step(root, "state_dict") == 2
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(monitor, "before_revoke_rm", f"until:{DEADLINE_S:g}:{gate}")
+    go.set()
+    wait_for(lambda: held_at(monitor, "before_revoke_rm"), DEADLINE_S, "the withdrawal held before its manifest went")
+    assert tracker_of(root, SD) is None and read_manifest(root, 2, SD) is not None  # the window
+    assert ckptd.latest_step(root, "state_dict") is None
+    with pytest.raises(ckptd.CheckpointError, match="no committed"):
+        ckptd.verify(root, kind="state_dict")
+    arm_in_monitor(monitor, "before_revoke_rm", None)
+    open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert read_manifest(root, 2, SD) is None and ckptd.latest_step(root, "state_dict") is None
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
     coord.close()

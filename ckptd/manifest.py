@@ -72,21 +72,23 @@ class Manifest(BaseModel):
         return self.model_dump_json(indent=1).encode()
 
 
-def parse_manifest(text: str, path: str) -> Manifest:
+def parse_manifest(text: str, path: str, *, advice: bool = True) -> Manifest:
     """The manifest ``text`` read from ``path``.
 
     Raises:
         CorruptCheckpointError: not JSON, or not a manifest (ckptd writes manifests whole: it was
-            damaged, or edited by hand).
+            damaged, or edited by hand). Its message says what to do unless ``advice`` is False
+            (a caller that names several damaged manifests says it once).
     """
     try:
         return Manifest.model_validate_json(text)
     except ValueError as e:  # pydantic's ValidationError is one; so is bad JSON
         first = str(e).splitlines()
+        problem = f"{path}: not a valid ckptd manifest ({' '.join(first[:3])[:300]})"
         raise CorruptCheckpointError(
-            f"{path}: not a valid ckptd manifest ({' '.join(first[:3])[:300]}). ckptd writes manifests whole, so "
-            "it was damaged or edited: restore it (the mirror holds a copy, if the run has one), or retire the "
-            "step (ckptd retire ROOT --after an older step) to resume from an older one") from e
+            problem if not advice else f"{problem}. ckptd writes manifests whole, so it was damaged or edited: "
+            "restore it (the mirror holds a copy, if the run has one), or retire the step (ckptd retire ROOT "
+            "--after an older step) to resume from an older one") from e
 
 
 def crc32_file(storage: Storage, path: str) -> tuple[int, str]:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
+from ckptd.errors import CorruptCheckpointError
 from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
-from ckptd.manifest import parse_manifest
+from ckptd.manifest import Manifest, parse_manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.storage import Storage
@@ -37,13 +38,10 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     now = time.time()
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
+    state_dicts = start_manifests(storage, scanned)
     for step, entry in scanned.items():
         for kind in entry.kinds:
-            manifest = None
-            if kind is SD and Kind.CHECKPOINT not in entry.kinds:
-                path = storage.join(entry.name, MANIFESTS[kind])
-                text = storage.read_text_or_none(path)
-                manifest = parse_manifest(text, path) if text else None
+            manifest = state_dicts.get(step) if kind is SD else None
             ledger.mark_committed(step, kind, now, manifest and manifest.units, manifest and manifest.files)
     recorded_failed: set[tuple[int, Kind]] = set()
     for pending in protocol.load_pending(storage, attempt):
@@ -75,6 +73,42 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
         _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed)
     return out
+
+
+def start_manifests(storage: Storage, scanned: dict[int, StepEntry]) -> dict[int, Manifest]:
+    """Read the manifests a starting monitor relies on: the state dict's of each step without a
+    full checkpoint (a later unit of the step is checked against its units and files), returned
+    by step, and the newest of each kind, whose step the trackers will name.
+
+    Raises:
+        CorruptCheckpointError: one of them is damaged (each is named): the trackers would name a
+            step no loader reads, or the step's units could not be checked. Raised before the
+            monitor writes anything (``start_monitor`` calls it first).
+    """
+    wanted = {(s, SD) for s, entry in scanned.items() if entry.kinds == {SD}}
+    for kind in Kind:
+        steps = [s for s, entry in scanned.items() if kind in entry.kinds]
+        if steps:
+            wanted.add((max(steps), kind))
+    read: dict[int, Manifest] = {}
+    damaged: list[str] = []
+    for step, kind in sorted(wanted):
+        path = storage.join(scanned[step].name, MANIFESTS[kind])
+        try:
+            text = storage.read_text_or_none(path)
+            if text is not None:  # None: gone since the listing (retired, say); nothing to rely on
+                manifest = parse_manifest(text, path, advice=False)
+                if kind is SD:
+                    read[step] = manifest
+        except CorruptCheckpointError as e:
+            damaged.append(str(e))
+    if damaged:
+        raise CorruptCheckpointError(
+            f"the checkpoint root {storage.url} holds damaged manifests, which the monitor must read to start: "
+            f"{'; '.join(damaged)}. ckptd writes a manifest whole, once, when its step commits, so something else "
+            "changed it: restore it (the mirror holds a copy, if the run has one), or move the step's directory out "
+            "of the root (or retire it: ckptd retire ROOT --after an older step), then start the monitor again")
+    return read
 
 
 def _newest(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:

@@ -11,9 +11,10 @@ from ckptd import failpoints
 from ckptd.config import MonitorOptions
 from ckptd.errors import CheckpointConfigError, CheckpointError
 from ckptd.fencing import AttemptRecord, current_attempt, list_attempts, read_attempt
-from ckptd.layout import LEDGER_DIR, check_template, record_template
+from ckptd.layout import LEDGER_DIR, check_template, record_template, scan_steps
 from ckptd.monitor.actor import monitor_actor_class
 from ckptd.monitor.attempts import open_attempt
+from ckptd.monitor.rebuild import start_manifests
 from ckptd.protocol import actor_name, monitor_actor
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage, explains_credentials
@@ -67,6 +68,8 @@ def start_monitor(
             run with another root or other options; a root the monitor's process does not see
             as this process does (``memory://``, or a local path on another node). Nothing is
             left under the root or the mirror in these cases.
+        CorruptCheckpointError: a manifest the monitor's start-up reads is damaged (the newest
+            of each kind, or a state dict's without its full checkpoint); nothing is written.
     """
     check_name(run, "run")
     opts = MonitorOptions.parse(options)
@@ -86,6 +89,7 @@ def start_monitor(
     if existing is not None:
         return _attach(existing, storage, root_url, run, opts)
     _refuse_live_monitor(storage, run, namespace, takeover)
+    start_manifests(storage, scan_steps(storage, template))  # what the actor's start-up reads: damaged?
     fresh = [s for s in (storage, mirror) if s is not None and not s.exists(s.join(LEDGER_DIR))]
     # The driver's shared-root probe is also the check that the root can be written at all.
     probe = write_probe(storage, f"the driver on {where_am_i()}")

@@ -159,9 +159,41 @@ def test_damaged_trackers_and_manifests_are_said_not_raised_raw(make_monitor, tm
     assert "DAMAGED" in out and "global_step_2/ckptd_manifest.json" in out and " 1  checkpoint " in out
     assert main(["show", root, "2"]) == 1
     assert "FAILED: " in capsys.readouterr().err
-    # A new job on the root: its monitor starts (it read the tracker that is not text as none).
-    monitor = make_monitor(root, run="the-next-job")
-    assert status(monitor).attempt == 2
+    # A new job on the root: refused before it writes anything, naming the damaged manifest its
+    # trackers would name (the newest step's); before, its monitor started and pointed them there.
+    before = sorted(os.listdir(f"{root}/.ckptd/attempts"))
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_3/ckptd_manifest.json: not a valid") as e:
+        make_monitor(root, run="the-next-job")
+    assert "global_step_2" not in str(e.value) and "move the step's directory out" in str(e.value)
+    assert sorted(os.listdir(f"{root}/.ckptd/attempts")) == before
+    assert open(f"{root}/latest_checkpointed_iteration.txt", "rb").read() == b"garbage\x00\xff"
+    os.rename(f"{root}/global_step_3", str(tmp_path / "step_3_set_aside"))
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_2/ckptd_manifest.json"):
+        make_monitor(root, run="the-next-job")  # the newest now
+    os.rename(f"{root}/global_step_2", str(tmp_path / "step_2_set_aside"))
+    monitor = make_monitor(root, run="the-next-job")  # it read the tracker that is not text as none
+    assert status(monitor).attempt == 2 and tracker_of(root, CKPT) == 1
+
+
+def test_a_damaged_state_dict_manifest_refuses_the_start_before_anything_is_written(make_monitor, tmp_path):
+    """A state dict's manifest without its full checkpoint is read at start-up (a later unit of the
+    step is checked against it): damaged, it failed the monitor actor's start with a bare
+    ActorDiedError, and the coordinators then waited until their timeout (helper-64)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+    wait_for(lambda: actor_gone(monitor), what="the monitor to be gone")
+    write_file(f"{root}/global_step_1/ckptd_state_dict_manifest.json", b"")
+    before = sorted(os.listdir(f"{root}/.ckptd/attempts"))
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_1/ckptd_state_dict_manifest.json: not a"):
+        make_monitor(root, run="the-next-job")
+    assert sorted(os.listdir(f"{root}/.ckptd/attempts")) == before
+    assert main(["retire", root, "--after", "0", "--yes"]) == 0  # what the message offers
+    assert status(make_monitor(root, run="the-next-job")).trackers.checkpoint is None
 
 
 def test_an_export_that_would_mix_files_is_refused_before_anything_is_written(make_monitor, tmp_path):

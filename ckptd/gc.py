@@ -32,6 +32,7 @@ from ckptd.layout import StepEntry, foreign_dirs, kinds_in, listed_files, read_t
 from ckptd.manifest import is_internal
 from ckptd.monitor.retention import TRASH, RetentionPolicy, delete_step, plan_retention
 from ckptd.protocol import attempt_pending_dir, pending_attempts
+from ckptd.retire import refuse_live
 from ckptd.shared_root import PROBE_DIR
 from ckptd.storage import FileStat, Storage, explains_credentials
 from ckptd.template import StepDirTemplate
@@ -114,11 +115,23 @@ def plan_gc(root: str, *, policy: RetentionPolicy | None = None, min_idle_s: flo
 
 @explains_credentials
 def run_gc(plan: GcPlan, *, storage_options: dict | None = None,
-           progress: Callable[[Garbage], None] | None = None) -> list[Garbage]:
+           progress: Callable[[Garbage], None] | None = None, check_live: bool = True) -> list[Garbage]:
     """Remove what ``plan`` lists. Committed steps go the way retention deletes them (never
     half-readable); the rest is removed directly. Returns what was removed; raises on the first
-    failure (what was removed before it stays removed, and a second run picks up the rest)."""
+    failure (what was removed before it stays removed, and a second run picks up the rest).
+
+    ``check_live=False`` skips the check below, for a caller that asked the right cluster itself.
+    A live job this process cannot see (on another cluster) is never harmed either way: what it
+    commits after the plan was made is kept, and a file removed from a save in flight fails its
+    step instead of committing it.
+
+    Raises:
+        CheckpointConfigError: the monitor of the root's newest attempt is live in this process's
+            Ray cluster (its saves in flight look like leftovers): nothing is removed.
+    """
     storage = Storage(plan.root, storage_options)
+    if check_live:
+        refuse_live(storage, "collecting garbage")
     removed = []
     for item in plan.items:
         if item.committed:

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from ckptd.errors import CheckpointError
-from ckptd.layout import LEDGER_DIR
+from ckptd.layout import attempts_dir, list_attempts
 from ckptd.storage import Storage
 
 #: Who was fenced: the monitor (manifests and trackers) or a save unit (its files).
@@ -49,19 +49,6 @@ class AttemptRecord(BaseModel):
     root: str
     started_at: float
     host: str
-
-
-def attempts_dir(storage: Storage) -> str:
-    return storage.join(LEDGER_DIR, "attempts")
-
-
-def list_attempts(storage: Storage) -> list[int]:
-    out = []
-    for name in storage.listdir(attempts_dir(storage)):
-        stem, _, ext = name.partition(".")
-        if ext == "json" and stem.isdigit():
-            out.append(int(stem))
-    return sorted(out)
 
 
 def read_attempt(storage: Storage, attempt: int) -> AttemptRecord | None:

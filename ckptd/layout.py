@@ -210,7 +210,22 @@ def read_tracker(storage: Storage, kind: Kind) -> int | None:
 Trusted = Callable[[int, frozenset[Kind]], frozenset[Kind]]
 
 
-# -- the monitor's records of steps in flight (written and read by ckptd.protocol) -------------
+# -- the ledger: attempts (ckptd.fencing) and records of steps in flight (ckptd.protocol) -------
+
+
+def attempts_dir(storage: Storage) -> str:
+    return storage.join(LEDGER_DIR, "attempts")
+
+
+def list_attempts(storage: Storage) -> list[int]:
+    """The attempts opened on the root (one per job that started a monitor), oldest first."""
+    out = []
+    for name in storage.listdir(attempts_dir(storage)):
+        stem, _, ext = name.partition(".")
+        if ext == "json" and stem.isdigit():
+            out.append(int(stem))
+    return sorted(out)
+
 
 
 def pending_root(storage: Storage) -> str:
@@ -231,20 +246,22 @@ def step_failure_path(storage: Storage, attempt: int, step: int, kind: Kind) -> 
 
 
 def _not_failed(storage: Storage) -> Trusted:
-    """What a reader without a monitor counts: a manifest whose kind has a recorded failure is a
-    withdrawal under way, or cut short (the failure is recorded before the tracker moves and the
-    manifest goes; the monitor, or the next job's start-up, finishes it). Costs one listing of the
-    ledger, the first time a step has a manifest to look at, and a lookup per such step and kind."""
-    attempts: list[str] | None = None
+    """What a reader without a monitor counts: a manifest whose kind the newest attempt's monitor
+    recorded as failed is a withdrawal under way, or cut short (the failure is recorded before the
+    tracker moves and the manifest goes; that monitor, or the next job's start-up, finishes it).
+    An older attempt's records do not count: a fenced monitor of an older job may still record a
+    failure of a step the newer job has since committed. Costs one listing of the attempts, the
+    first time a step has a manifest to look at, and a lookup per such step and kind."""
+    newest: list[int] | None = None
 
     def trusted(step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
-        nonlocal attempts
+        nonlocal newest
         if not kinds:
             return kinds
-        if attempts is None:
-            attempts = [a for a in storage.listdir(pending_root(storage)) if a.isdigit()]
+        if newest is None:
+            newest = list_attempts(storage)[-1:]
         return frozenset(k for k in kinds if not any(
-            storage.exists(step_failure_path(storage, int(a), step, k)) for a in attempts))
+            storage.exists(step_failure_path(storage, a, step, k)) for a in newest))
 
     return trusted
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ckptd
+from ckptd import protocol
 from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
@@ -81,4 +82,25 @@ def test_readers_never_see_a_state_dict_being_withdrawn_when_no_older_one_is_com
     assert read_manifest(root, 2, SD) is None and ckptd.latest_step(root, "state_dict") is None
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_all()
+    coord.close()
+
+
+def test_an_older_jobs_failure_record_does_not_hide_a_step_the_new_job_committed(make_monitor, tmp_path):
+    """A fenced monitor of an older job may still record its own failure of a step (its records are
+    its attempt's) after the newer job's start-up discarded them, and the newer job may commit that
+    step number: readers count only the newest attempt's failure records."""
+    root = str(tmp_path / "ckpt")
+    old = make_monitor(root)
+    old_coord = ckptd.CheckpointCoordinator(old, worker_id="w0")
+    commit_one(old_coord, 1, "weights.bin", is_state_dict=True)
+    old_coord.close()
+    new = make_monitor(root, run="the-next-job", takeover=True)  # fences the old monitor
+    coord = ckptd.CheckpointCoordinator(new, worker_id="w0")
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    # What the old job's fenced monitor records when it fails its own step 2, as it does.
+    protocol.write_step_failure(Storage(root), 1, 2, SD, "superseded by attempt 2")
+    assert ckptd.latest_step(root, "state_dict") == 2 and ckptd.verify(root, kind="state_dict").step == 2
+    # The same record of the newest attempt's: a withdrawal of step 2 under way.
+    protocol.write_step_failure(Storage(root), 2, 2, SD, "withdrawn")
+    assert ckptd.latest_step(root, "state_dict") == 1
     coord.close()

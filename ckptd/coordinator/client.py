@@ -170,7 +170,9 @@ class MonitorClient:
                 return ray.get(ref, timeout=max(0.0, answer_by - time.monotonic()))
             except GetTimeoutError:
                 raise self._unanswered(method, waits_s) from None
-            except RayActorError:
+            except RayActorError as e:
+                if e.actor_init_failed:
+                    raise self._died_starting(e) from e
                 if answer_by is None and not retried:
                     # An unbounded wait that outlived its monitor: the retries (and the lookup of a
                     # monitor started again, see _reattach) get the timeout from now.
@@ -240,13 +242,25 @@ class MonitorClient:
                 return await (asyncio.wait_for(ref, max(0.0, deadline - time.monotonic())) if bounded else ref)
             except asyncio.TimeoutError:
                 raise self._unanswered(method, 0.0) from None
-            except RayActorError:
+            except RayActorError as e:
+                if e.actor_init_failed:
+                    raise self._died_starting(e) from e
                 if time.monotonic() > deadline:
                     raise
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 self._reattach()
+
+    def _died_starting(self, e: RayActorError) -> CheckpointError:
+        """The monitor's actor raised in its start-up (Ray restarted it after a crash, and its
+        rebuild from storage failed: a damaged manifest, say): it stays dead, so waiting for it
+        until the timeout would only delay the error."""
+        said = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "")
+        return CheckpointError(
+            f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} died in its start-up "
+            f"(restarted after a crash, it could not rebuild its state): {said}. Ray does not restart it again: "
+            "fix what that says, then start the job again (ckptd.start_monitor)")
 
     def _unanswered(self, method: str, waits_s: float | None) -> CheckpointTimeoutError:
         if waits_s is None:

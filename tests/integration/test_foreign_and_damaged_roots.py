@@ -8,6 +8,7 @@ damaged files gave raw tracebacks."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from ckptd.cli import main
 from ckptd.gc import plan_gc
 from ckptd.workers.export import export_hf_step
 
-from .helpers import actor_gone, commit_one, status, tracker_of, wait_for, write_file
+from .helpers import actor_gone, commit_one, in_thread, status, tracker_of, wait_for, write_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -194,6 +195,22 @@ def test_a_damaged_state_dict_manifest_refuses_the_start_before_anything_is_writ
     assert sorted(os.listdir(f"{root}/.ckptd/attempts")) == before
     assert main(["retire", root, "--after", "0", "--yes"]) == 0  # what the message offers
     assert status(make_monitor(root, run="the-next-job")).trackers.checkpoint is None
+
+
+def test_a_monitor_that_cannot_rebuild_after_a_crash_fails_its_coordinators_calls_at_once(make_monitor, tmp_path):
+    """Damaged while the monitor was down, the manifest its restart reads kills the restarted actor
+    for good: a coordinator's call said so only at its notify_timeout_s (600 s by default)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    write_file(f"{root}/global_step_2/ckptd_manifest.json", b'{"not json')
+    os.kill(ray.get(monitor.ping.remote())["pid"], signal.SIGKILL)
+    outcome, error = in_thread(lambda: coord.register(3, checkpoint_thread_count=1), 120)
+    assert outcome == "raised" and isinstance(error, ckptd.CheckpointError), (outcome, error)
+    assert "died in its start-up" in str(error) and "global_step_2/ckptd_manifest.json" in str(error), error
+    coord.close()
 
 
 def test_an_export_that_would_mix_files_is_refused_before_anything_is_written(make_monitor, tmp_path):

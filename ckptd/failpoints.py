@@ -36,6 +36,8 @@ FAILPOINTS: dict[str, str] = {
                         "kernel that refuses O_DIRECT (EINVAL): the file is written buffered instead"),
     "before_open_attempt": "driver: start_monitor passed its checks, before it opens its attempt on the root",
     "before_monitor_actor": "driver: start_monitor opened its attempt and found no rival, before it creates the actor",
+    "before_discarding_older_records": ("monitor: a new job's start-up cleaned the steps older attempts left, "
+                                        "before it discards their ledger records"),
     "after_unit_write": "worker: save_fn returned and files were checksummed, before the receipt",
     "relay_before_forward": "node relay: a batch of notifications arrived, before it is sent to the monitor",
     "relay_after_forward": "node relay: the monitor applied a batch, before its answers go back",

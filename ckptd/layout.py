@@ -58,10 +58,10 @@ def read_template(storage: Storage) -> StepDirTemplate:
     known = _known_templates.get(storage.url)
     if known is not None:
         return known
-    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
-    if text is None:
+    recorded = _read_layout(storage)
+    if recorded is None:
         return StepDirTemplate(DEFAULT_TEMPLATE)
-    template = StepDirTemplate(json.loads(text)["step_dir_template"])
+    template = StepDirTemplate(recorded["step_dir_template"])
     _known_templates[storage.url] = template
     return template
 
@@ -69,10 +69,10 @@ def read_template(storage: Storage) -> StepDirTemplate:
 def check_template(storage: Storage, template: StepDirTemplate) -> bool:
     """Raise if the root names its step directories with another template; True if the root
     records one at all. Reads only."""
-    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
-    if text is None:
+    recorded = _read_layout(storage)
+    if recorded is None:
         return False
-    existing = json.loads(text)["step_dir_template"]
+    existing = recorded["step_dir_template"]
     if existing != template.template:
         raise CheckpointConfigError(
             f"checkpoint root {storage.url!r} names its step directories {existing!r}; this "
@@ -99,8 +99,32 @@ def foreign_dirs(storage: Storage) -> set[str] | None:
     ckptd first used it (a run switched to ckptd keeps its old ``global_step_N`` directories), by
     name; ckptd never deletes them, nor saves into them. None if ckptd never used the root (it
     records no template): then every step directory without a manifest is another tool's."""
-    text = storage.read_text_or_none(storage.join(LEDGER_DIR, _LAYOUT_FILE))
-    return None if text is None else set(json.loads(text).get(_BEFORE, []))
+    recorded = _read_layout(storage)
+    return None if recorded is None else set(recorded.get(_BEFORE, []))
+
+
+def _read_layout(storage: Storage) -> dict | None:
+    """The root's ``.ckptd/layout.json``, or None if ckptd never used the root.
+
+    Raises:
+        CorruptCheckpointError: it is not what ckptd writes (damaged, or edited by hand).
+    """
+    path = storage.join(LEDGER_DIR, _LAYOUT_FILE)
+    text = storage.read_text_or_none(path)
+    if text is None:
+        return None
+    try:
+        recorded = json.loads(text)
+        if (isinstance(recorded, dict) and isinstance(recorded.get("step_dir_template"), str)
+                and isinstance(recorded.get(_BEFORE, []), list)):
+            return recorded
+    except ValueError:
+        pass
+    raise CorruptCheckpointError(
+        f"{path} is not the layout record ckptd writes (damaged, or edited by hand): every reader and monitor of "
+        f"the root needs it to find the step directories. Restore it: it holds "
+        f'{{"step_dir_template": "<the template the run used, {DEFAULT_TEMPLATE} by default>", '
+        f'"{_BEFORE}": [<the step directories of another tool the root held before ckptd, or none>]}}')
 
 
 # -- finding steps -------------------------------------------------------------------------------
@@ -217,12 +241,13 @@ def attempts_dir(storage: Storage) -> str:
     return storage.join(LEDGER_DIR, "attempts")
 
 
-def list_attempts(storage: Storage) -> list[int]:
-    """The attempts opened on the root (one per job that started a monitor), oldest first."""
+def list_attempts(storage: Storage, ext: str = "json") -> list[int]:
+    """The attempts opened on the root (one per job that started a monitor), oldest first; with
+    ``ext="started"``, those whose monitor finished its start-up (its clean-up of older ones)."""
     out = []
     for name in storage.listdir(attempts_dir(storage)):
-        stem, _, ext = name.partition(".")
-        if ext == "json" and stem.isdigit():
+        stem, _, found = name.partition(".")
+        if found == ext and stem.isdigit():
             out.append(int(stem))
     return sorted(out)
 
@@ -246,22 +271,27 @@ def step_failure_path(storage: Storage, attempt: int, step: int, kind: Kind) -> 
 
 
 def _not_failed(storage: Storage) -> Trusted:
-    """What a reader without a monitor counts: a manifest whose kind the newest attempt's monitor
-    recorded as failed is a withdrawal under way, or cut short (the failure is recorded before the
-    tracker moves and the manifest goes; that monitor, or the next job's start-up, finishes it).
-    An older attempt's records do not count: a fenced monitor of an older job may still record a
-    failure of a step the newer job has since committed. Costs one listing of the attempts, the
-    first time a step has a manifest to look at, and a lookup per such step and kind."""
-    newest: list[int] | None = None
+    """What a reader without a monitor counts: a manifest whose kind a monitor recorded as failed
+    is a withdrawal under way, or cut short (the failure is recorded before the tracker moves and
+    the manifest goes; that monitor, or the next job's start-up, finishes it).
+
+    The records that count are those of the newest attempt whose monitor finished its start-up,
+    and of any newer one: a newer job's start-up finishes an older attempt's withdrawals before it
+    discards that attempt's records (and before it marks itself started), but a fenced monitor of
+    an older job may record a failure afterwards, of a step number the newer job then commits.
+    Costs one listing of the attempts, the first time a step has a manifest to look at, and a
+    lookup per such step, kind and counted attempt (one, unless a job is starting)."""
+    counted: list[int] | None = None
 
     def trusted(step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
-        nonlocal newest
+        nonlocal counted
         if not kinds:
             return kinds
-        if newest is None:
-            newest = list_attempts(storage)[-1:]
+        if counted is None:
+            started = list_attempts(storage, "started")
+            counted = [a for a in list_attempts(storage) if not started or a >= started[-1]]
         return frozenset(k for k in kinds if not any(
-            storage.exists(step_failure_path(storage, a, step, k)) for a in newest))
+            storage.exists(step_failure_path(storage, a, step, k)) for a in counted))
 
     return trusted
 

@@ -3,6 +3,7 @@ records), and trackers repaired."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
+
+log = logging.getLogger("ckptd.monitor")
 
 
 @dataclass
@@ -38,7 +41,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     now = time.time()
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
-    state_dicts = start_manifests(storage, scanned)
+    state_dicts = start_manifests(storage, scanned, strict=False)  # start_monitor checked them strictly
     for step, entry in scanned.items():
         for kind in entry.kinds:
             manifest = state_dicts.get(step) if kind is SD else None
@@ -75,21 +78,23 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     return out
 
 
-def start_manifests(storage: Storage, scanned: dict[int, StepEntry]) -> dict[int, Manifest]:
+def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: bool = True) -> dict[int, Manifest]:
     """Read the manifests a starting monitor relies on: the state dict's of each step without a
     full checkpoint (a later unit of the step is checked against its units and files), returned
-    by step, and the newest of each kind, whose step the trackers will name.
+    by step, and those of the newest step of each kind, which the trackers will name.
 
     Raises:
         CorruptCheckpointError: one of them is damaged (each is named): the trackers would name a
             step no loader reads, or the step's units could not be checked. Raised before the
-            monitor writes anything (``start_monitor`` calls it first).
+            monitor writes anything (``start_monitor`` calls it first). With ``strict=False`` (a
+            Ray restart of a running job's monitor, which must not end the run over one step),
+            each is logged instead, and a damaged state dict's units and files are not known.
     """
     wanted = {(s, SD) for s, entry in scanned.items() if entry.kinds == {SD}}
     for kind in Kind:
         steps = [s for s, entry in scanned.items() if kind in entry.kinds]
-        if steps:
-            wanted.add((max(steps), kind))
+        if steps:  # every manifest of that step: a loader of it reads them all
+            wanted |= {(max(steps), k) for k in scanned[max(steps)].kinds}
     read: dict[int, Manifest] = {}
     damaged: list[str] = []
     for step, kind in sorted(wanted):
@@ -102,7 +107,10 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry]) -> dict[int
                     read[step] = manifest
         except CorruptCheckpointError as e:
             damaged.append(str(e))
-    if damaged:
+    if damaged and not strict:
+        log.error("damaged manifests: %s. Their steps stay as they are, and their loaders refuse them; restore "
+                  "them (the mirror holds a copy, if the run has one) or retire those steps", "; ".join(damaged))
+    elif damaged:
         raise CorruptCheckpointError(
             f"the checkpoint root {storage.url} holds damaged manifests, which the monitor must read to start: "
             f"{'; '.join(damaged)}. ckptd writes a manifest whole, once, when its step commits, so something else "

@@ -88,8 +88,9 @@ def start_monitor(
     existing = _existing_actor(run, namespace)
     if existing is not None:
         return _attach(existing, storage, root_url, run, opts)
+    # What the actor's start-up reads: damaged? Before a takeover stops the live monitor.
+    start_manifests(storage, scan_steps(storage, template))
     _refuse_live_monitor(storage, run, namespace, takeover)
-    start_manifests(storage, scan_steps(storage, template))  # what the actor's start-up reads: damaged?
     fresh = [s for s in (storage, mirror) if s is not None and not s.exists(s.join(LEDGER_DIR))]
     # The driver's shared-root probe is also the check that the root can be written at all.
     probe = write_probe(storage, f"the driver on {where_am_i()}")

@@ -198,19 +198,24 @@ def test_a_damaged_state_dict_manifest_refuses_the_start_before_anything_is_writ
 
 
 def test_a_monitor_that_cannot_rebuild_after_a_crash_fails_its_coordinators_calls_at_once(make_monitor, tmp_path):
-    """Damaged while the monitor was down, the manifest its restart reads kills the restarted actor
-    for good: a coordinator's call said so only at its notify_timeout_s (600 s by default)."""
+    """The root's layout record, damaged while the monitor was down, kills the restarted actor for
+    good (it cannot find the step directories without it): a coordinator's call said so only at its
+    notify_timeout_s (600 s by default), and the readers raised a bare JSONDecodeError."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     for step in (1, 2):
         commit_one(coord, step, "model.bin", is_state_dict=False)
-    write_file(f"{root}/global_step_2/ckptd_manifest.json", b'{"not json')
+    write_file(f"{root}/.ckptd/layout.json", b'{"step_dir_template": ')
     os.kill(ray.get(monitor.ping.remote())["pid"], signal.SIGKILL)
     outcome, error = in_thread(lambda: coord.register(3, checkpoint_thread_count=1), 120)
     assert outcome == "raised" and isinstance(error, ckptd.CheckpointError), (outcome, error)
-    assert "died in its start-up" in str(error) and "global_step_2/ckptd_manifest.json" in str(error), error
+    assert "died in its start-up" in str(error) and ".ckptd/layout.json is not the layout" in str(error), error
     coord.close()
+    read = cli("latest", root)  # a process that has not read it before (what it read is kept per process)
+    assert read.returncode == 1 and "layout.json is not the layout record ckptd writes" in read.stderr, read.stderr
+    with pytest.raises(ckptd.CorruptCheckpointError, match="Restore it"):
+        make_monitor(root, run="the-next-job")
 
 
 def test_an_export_that_would_mix_files_is_refused_before_anything_is_written(make_monitor, tmp_path):

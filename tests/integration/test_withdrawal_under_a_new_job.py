@@ -42,6 +42,9 @@ def test_a_withdrawal_fenced_before_its_tracker_moved_is_finished_by_the_new_job
     # the old monitor; its start_monitor (here, one that finds that attempt newest and not live here)
     # starts the monitor whose start-up cleans the root up.
     open_attempt(Storage(root), "the-next-job", None)
+    # Until the new job's start-up has withdrawn it, the old attempt's failure record still counts
+    # for readers (it counted only for the newest attempt: from here, the new job's).
+    assert ckptd.latest_step(root, "state_dict") == 1
     make_monitor(root, run="the-next-job")
     assert read_manifest(root, 2, SD) is None
     assert tracker_of(root, SD) == 1

@@ -1,0 +1,133 @@
+"""What a monitor's start reads, and what readers see while a new job starts: found by a helper's
+attack on session 38's changes (damaged manifests refused at start, readers honouring recorded
+failures). A refused start changes nothing, not even the live monitor a takeover would stop; a
+Ray restart of a running job's monitor does not end the run over one damaged step; and a state
+dict withdrawn by an older attempt stays out of the readers' answers until the new job's
+start-up has removed its manifest."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.monitor.attempts import open_attempt
+from ckptd.storage import Storage
+
+from .helpers import (
+    arm_in_monitor,
+    commit_one,
+    failpoint_env,
+    held_at,
+    in_thread,
+    ledger_records,
+    read_manifest,
+    restart_monitor,
+    tracker_of,
+    wait_for,
+    write_file,
+)
+from .test_fenced_idle_monitor import DEADLINE_S, _rewrite, _state_dict_2_with_a_checkpoint_unit_held
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
+
+
+def test_a_refused_takeover_leaves_the_live_monitor_running(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    write_file(f"{root}/global_step_2/ckptd_manifest.json", b"{damaged")
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_2/ckptd_manifest.json"):
+        make_monitor(root, run="the-next-job", takeover=True)
+    # It was refused after the takeover had stopped the live monitor, and the run could not go on.
+    commit_one(coord, 3, "model.bin", is_state_dict=False)
+    assert tracker_of(root, CKPT) == 3
+    coord.close()
+
+
+def test_every_manifest_of_the_step_a_tracker_will_name_is_read_at_start(make_monitor, tmp_path):
+    """A step saved as a state dict, then as a full checkpoint (Trinity's save_state_dict, then
+    save_checkpoint) has both manifests, and its loaders read both: a damaged state-dict manifest
+    there was not looked at, and the checkpoint tracker named a step that resume refuses."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    commit_one(coord, 2, "optim.bin", is_state_dict=False)
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+    write_file(f"{root}/global_step_2/ckptd_state_dict_manifest.json", b"{damaged")
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_2/ckptd_state_dict_manifest.json"):
+        make_monitor(root, run="the-next-job")
+
+
+def test_a_restart_of_a_running_jobs_monitor_goes_on_past_a_damaged_manifest(make_monitor, tmp_path, caplog):
+    """start_monitor refuses a damaged manifest, with the job's owner there to act; a Ray restart of
+    the monitor mid-run instead logs it and goes on (it died in its start-up, for good, and every
+    later save of the run failed)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)  # a state dict only: read at start-up
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    write_file(f"{root}/global_step_1/ckptd_state_dict_manifest.json", b"{damaged")
+    restart_monitor(monitor)
+    outcome, error = in_thread(lambda: commit_one(coord, 3, "model.bin", is_state_dict=False), DEADLINE_S)
+    assert outcome == "ok", error
+    assert tracker_of(root, CKPT) == 3 and ckptd.verify(root).step == 3
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_1"):
+        ckptd.verify(root, 1)
+    coord.close()
+
+
+def test_a_state_dict_an_older_attempt_withdraws_stays_out_of_reach_while_the_new_job_starts(
+        make_monitor, tmp_path):
+    """The old monitor's withdrawal of state dict 2 is held before its tracker moves; the new job's
+    start-up is held after it removed that manifest, before it discards the old attempt's records.
+    At each point, the readers answer step 1: the old attempt's failure record counts until the new
+    job's monitor has finished its start-up (it counted only for the newest attempt, which is the
+    new job's from the moment it is opened), and the start-up removes the manifest before the
+    record (it removed the records first)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    go = _state_dict_2_with_a_checkpoint_unit_held(coord, _rewrite)
+    gate, start_gate = str(tmp_path / "gate"), str(tmp_path / "start-gate")
+    arm_in_monitor(monitor, "before_revoke", f"until:{DEADLINE_S:g}:{gate}")
+    go.set()
+    wait_for(lambda: held_at(monitor, "before_revoke"), DEADLINE_S, "the withdrawal held before its tracker moved")
+    assert tracker_of(root, SD) == 2 and ckptd.latest_step(root, "state_dict") == 1
+    # The new job, from another Ray cluster (which cannot see the old monitor): its attempt fences the
+    # old monitor; then the monitor of the next start_monitor (which finds that attempt newest and
+    # not live here) does the start-up.
+    open_attempt(Storage(root), "the-next-job", None)
+    assert ckptd.latest_step(root, "state_dict") == 1
+    env = failpoint_env(f"before_discarding_older_records=until:{DEADLINE_S:g}:{start_gate}")
+    started: list = []
+    starting = threading.Thread(target=lambda: started.append(
+        make_monitor(root, run="the-next-job", runtime_env=env)), daemon=True)
+    starting.start()
+    try:
+        wait_for(lambda: read_manifest(root, 2, SD) is None, DEADLINE_S, "the new job's start-up to withdraw it")
+        assert ledger_records(root, 2)  # the old attempt's, still there: the hold
+        assert tracker_of(root, SD) == 2  # repaired only later in the start-up
+        assert ckptd.latest_step(root, "state_dict") == 1 and ckptd.verify(root, kind="state_dict").step == 1
+    finally:
+        open(start_gate, "w").close()
+        starting.join(DEADLINE_S)
+    assert started, "the new job's monitor did not start"
+    assert tracker_of(root, SD) == 1 and ckptd.latest_step(root, "state_dict") == 1
+    arm_in_monitor(monitor, "before_revoke", None)
+    open(gate, "w").close()
+    with pytest.raises(ckptd.CheckpointError):
+        coord.wait_all()
+    assert tracker_of(root, SD) == 1 and os.path.exists(f"{root}/global_step_1/weights.bin")

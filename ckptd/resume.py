@@ -18,7 +18,7 @@ from ckptd.verify import CommittedStep, open_step, read_file
 from ckptd.workers import reshard
 from ckptd.workers.dtensor import GROUPS_FILE, is_dtensor
 from ckptd.workers.files import load_json, load_torch
-from ckptd.workers.state_file import read_state, saved_states
+from ckptd.workers.state_file import SUFFIX, nested_states, read_state, saved_states
 from ckptd.workers.training_state import DATA, RUNNING_STATES, RunningState, end_epoch, rank_file, set_rng_state
 from ckptd.workers.weights import locate, read_weights
 
@@ -197,11 +197,19 @@ def _read_all(storage: Storage, committed: CommittedStep, running: RunningState 
     elif model is not None:
         apply.append(_model_loader(storage, committed, model, model_dir, adapter_name))
     if optimizer_name is not None:
+        candidates = f"the step's states that can be an optimizer's: {nested_states(committed) or 'none'}"
+        if optimizer_name + SUFFIX not in committed.files:
+            raise CheckpointConfigError(
+                f"step {committed.step} has no state saved as {optimizer_name!r} ({optimizer_name}{SUFFIX} is not in "
+                f"its manifest); its default-writer states: {saved_states(committed) or 'none'}, and {candidates} "
+                "(an optimizer's state_dict is saved as NAME.safetensors with NAME.state.json). Pass one of those "
+                "as optimizer_name=, or leave optimizer=None")
         optimizer_state = read_state(storage, committed, optimizer_name)
         _check_optimizer_state(optimizer_state, optimizer, f"step {committed.step}'s state {optimizer_name!r}",
-                               f"; the step's default-writer states: {saved_states(committed)}")
+                               f"; {candidates}")
         apply.append(lambda: optimizer.load_state_dict(optimizer_state))
     elif optimizer is not None:
+        _refuse_sharded_optimizer_without_model(committed, model, prefix + rank_file("optimizer", rank))
         if moved:
             raise CheckpointConfigError(
                 f"step {committed.step} holds optimizer state of {running.world_size} ranks, one per rank, "
@@ -294,13 +302,33 @@ def _choose_tier(local: Storage, step: int | None, mirror: str | None,
 
 def _load(storage: Storage, committed: CommittedStep, rel: str, what: str, by_name: str | None = None) -> Any:
     if rel not in committed.files:
-        named = saved_states(committed) if by_name else []
+        named = nested_states(committed) if by_name else []  # a model's weights are never an optimizer's
         hint = f", pass {by_name} with the name it was saved under ({named})" if named else ""
         raise CheckpointConfigError(
             f"step {committed.step} has no {what} state ({rel} is not in its manifest); it has "
             f"{_summary(committed)}. Pass state_dir= if it was written elsewhere{hint}, or leave {what}=None"
         )
     return load_torch(read_file(storage, committed, rel), f"{committed.path}/{rel}")
+
+
+def _refuse_sharded_optimizer_without_model(committed: CommittedStep, model: Any, rel: str) -> None:
+    """An optimizer saved sharded with the weights (``sharded_state(model, optimizer)``) loads only
+    with the model from that folder, by parameter name: when it was not loaded so (no ``model=``,
+    or the model from another folder) say that, rather than that the step has no optimizer state."""
+    if rel in committed.files:
+        return
+    dirs = sorted(f.removesuffix(GROUPS_FILE) for f in committed.files
+                  if f == GROUPS_FILE or f.endswith("/" + GROUPS_FILE))
+    if not dirs:
+        return
+    where = ", ".join(d or "the step directory" for d in dirs)
+    do = ("pass model= too (the model the optimizer's parameters belong to, with model_dir= if the step has "
+          "several weight folders)" if model is None else
+          f"pass model_dir= that folder ({', '.join(repr(d.rstrip('/')) for d in dirs)}), so the model is loaded "
+          "from it with its optimizer")
+    raise CheckpointConfigError(
+        f"step {committed.step} holds the optimizer state sharded with the weights ({where}), and that state loads "
+        f"only together with the model, by parameter name: {do}; or leave optimizer=None")
 
 
 def _summary(committed: CommittedStep) -> str:

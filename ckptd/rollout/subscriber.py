@@ -29,7 +29,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ckptd.config import Kind
 from ckptd.errors import CheckpointConfigError, CheckpointError, CheckpointTimeoutError
-from ckptd.layout import newest_committed, parse_kind
+from ckptd.layout import is_committed, newest_committed, parse_kind
 from ckptd.protocol import monitor_actor, new_id
 from ckptd.rollout.weights import Weights
 from ckptd.shared_root import where_am_i
@@ -81,6 +81,9 @@ class WeightSubscriber:
         self._leases: dict[str, int] = {}
         self._serving: tuple[int, float] | None = None
         self._published: dict[int, float] = {}
+        # Versions open() handed out or report_serving accepted (the newest 1000): reportable even
+        # once retention deleted them.
+        self._known: dict[int, None] = {}
         self._lease_s = 30.0
         self._stop = threading.Event()
         self._monitor: Any = None
@@ -94,10 +97,39 @@ class WeightSubscriber:
         if root is None:
             root, storage_options = cfg["root"], storage_options or cfg["storage_options"]
         self._storage = Storage(root, storage_options)
-        if handle is not None:
+        if handle is None:
+            self._check_root()
+        else:
             self._attach(handle)
         self._renewer = threading.Thread(target=self._renew_loop, name=f"ckptd-subscriber-{self.name}", daemon=True)
         self._renewer.start()
+
+    def _check_root(self) -> None:
+        """Refuse a root that is a file at once. A root that does not exist yet may be one the
+        trainer has not created (a rollout worker started first, or an object-store prefix before
+        its first object): waiting for it is allowed, with a warning, and a wait that times out
+        says so."""
+        problem = self._storage.root_problem()
+        if problem == Storage.IS_A_FILE:
+            raise CheckpointConfigError(
+                f"checkpoint root {self._storage.url!r} is a file, not a directory: pass root= the directory the "
+                "trainer's monitor saves into")
+        if problem is not None:
+            log.warning("subscriber %s: checkpoint root %s does not exist (yet); waiting for the trainer's first "
+                        "commit there. If the trainer already saves, check root=", self.name, self._storage.url)
+
+    def _why_nothing(self) -> str:
+        """What to add when nothing was found under the root: that it does not exist, if so."""
+        if self._monitor is not None:
+            return ""
+        try:
+            problem = self._storage.root_problem()
+        except OSError:  # only an addition to another error: never replace that error by this one
+            return ""
+        if problem is None:
+            return ""
+        return (f"; the checkpoint root {self._storage.url!r} cannot hold any: {problem}. Check root= (the directory "
+                "the trainer's monitor saves into), or start the trainer first")
 
     # -- the monitor -----------------------------------------------------------------------------
 
@@ -228,6 +260,8 @@ class WeightSubscriber:
                     result = newest_committed(self._storage, self.kind)
                 elif action[0] == "reattach":
                     result = ray.is_initialized() and self._reattach()
+                elif action[0] == "root":
+                    result = self._why_nothing()
                 else:
                     self._stop.wait(action[1])
             except RayActorError as e:
@@ -255,6 +289,8 @@ class WeightSubscriber:
                     result = await asyncio.to_thread(newest_committed, self._storage, self.kind)
                 elif action[0] == "reattach":
                     result = ray.is_initialized() and await asyncio.to_thread(self._reattach)
+                elif action[0] == "root":
+                    result = await asyncio.to_thread(self._why_nothing)
                 else:
                     await asyncio.sleep(action[1])
             except RayActorError as e:
@@ -276,7 +312,8 @@ class WeightSubscriber:
         """The wait loop of both twins, without I/O: it yields what to do next, and is sent the
         result (or thrown the RayActorError): ``("monitor", handle, seconds, deadline)`` long-polls
         the monitor, ``("storage",)`` reads the newest committed version from the root,
-        ``("reattach",)`` looks for the monitor again, ``("pause", seconds)`` waits."""
+        ``("reattach",)`` looks for the monitor again, ``("pause", seconds)`` waits, ``("root",)``
+        says why the root holds nothing (:meth:`_why_nothing`) before a timeout is raised."""
         _check_wait(after, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -298,8 +335,9 @@ class WeightSubscriber:
             if self._stop.is_set():
                 raise CheckpointError(f"subscriber {self.name} is closed")
             if deadline is not None and time.monotonic() >= deadline:
+                why = "" if self._monitor is not None else (yield ("root",))
                 raise CheckpointTimeoutError(
-                    f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s")
+                    f"no {self.kind.value} version newer than {after} was committed within {timeout_s} s{why}")
 
     async def versions(self, after: int | None = None) -> AsyncIterator[int]:
         """Each new version as it commits (the newest, when several committed meanwhile)::
@@ -327,8 +365,8 @@ class WeightSubscriber:
         if version is None:
             version = self.latest()
             if version is None:
-                raise CheckpointError(f"no {self.kind.value} is committed under {self._storage.url} yet; "
-                                      "wait_for_version() first")
+                raise CheckpointError(f"no {self.kind.value} is committed under {self._storage.url} yet"
+                                      f"{self._why_nothing()}; wait_for_version() first")
         check_step(version, "version")
         lease_id = None
         handle = self._monitor
@@ -344,7 +382,14 @@ class WeightSubscriber:
             if lease_id is not None:
                 with self._lock:
                     self._leases[lease_id] = version  # granted: renewals carry it from now on
+        self._remember(version)
         return Weights(self, version, lease_id, model_dir if model_dir is not None else self._model_dir)
+
+    def _remember(self, version: int) -> None:
+        with self._lock:
+            self._known[version] = None
+            if len(self._known) > 1000:
+                self._known.pop(next(iter(self._known)))
 
     def _drop(self, lease_id: str | None) -> None:
         with self._lock:
@@ -358,8 +403,29 @@ class WeightSubscriber:
 
     def report_serving(self, version: int) -> None:
         """Say that this worker now serves ``version``; status shows it, with the lag behind the
-        newest commit. Sent at once, and again with every renewal (so a restarted monitor knows)."""
+        newest commit. Sent at once, and again with every renewal (so a restarted monitor knows).
+
+        Raises:
+            CheckpointConfigError: ``version`` is not a step committed (as this subscriber's kind)
+                under the root now, and this subscriber neither opened nor reported it before:
+                never committed (no worker can serve it), or deleted by retention before anything
+                here read it.
+        """
         check_step(version, "version")
+        with self._lock:
+            known = version in self._known
+        # A version opened (or reported) here may be deleted by retention since: its lease ends
+        # with the with block, before the report, and a served version is restated after a monitor
+        # restart. It was loaded all the same, so only the others are looked up.
+        if not known and not is_committed(self._storage, version, self.kind):
+            newest = newest_committed(self._storage, self.kind)
+            why = ("is not committed (nothing newer than it either)" if newest is None or version > newest else
+                   "is not committed now (never was, or retention deleted it)")
+            raise CheckpointConfigError(
+                f"report_serving({version}): {self.kind.value} version {version} under {self._storage.url} {why}, "
+                f"and this subscriber did not open it (the newest committed is {newest}), so no worker can serve it "
+                "from here. Report the version you loaded: the one wait_for_version() returned and open() read")
+        self._remember(version)
         with self._lock:
             if self._serving is None or self._serving[0] != version:
                 self._serving = (version, time.time())

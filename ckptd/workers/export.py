@@ -10,7 +10,10 @@ weights is left out.
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -24,6 +27,8 @@ from ckptd.units import check_step
 from ckptd.verify import open_step
 from ckptd.workers.hf import save_hf_model
 from ckptd.workers.weights import read_weights
+
+log = logging.getLogger("ckptd.export")
 
 
 def export_hf_step(
@@ -55,7 +60,9 @@ def export_hf_step(
 
     Raises:
         CheckpointConfigError: ``out_dir`` is inside a checkpoint root, is a file, or is not empty
-            (nothing is read or written then).
+            (nothing is read or written then); or ``config`` does not fit the weights: a model
+            built from it (on the meta device, when transformers can build it) has another shape
+            for a tensor, or other layers (nothing is written then).
         CheckpointError: ``step`` did not commit within ``wait_s``.
         CorruptCheckpointError: a shard differs from the manifest.
     """
@@ -77,7 +84,81 @@ def export_hf_step(
             f"step {step} holds a LoRA adapter ({weights.path}), not a whole model: an HF folder of it would load "
             "as a model with random base weights. Load the base model with the adapter (peft), merge it "
             "(merge_and_unload) and save_pretrained that, or serve the adapter as it is")
-    return save_hf_model(out_dir, weights.state_dict(), config, storage_options=out_storage_options, **hf_options)
+    state = weights.state_dict()
+    _check_config_fits(state, config, step)
+    return save_hf_model(out_dir, state, config, storage_options=out_storage_options, **hf_options)
+
+
+def _config_model_shapes(config: Any) -> tuple[str, dict[str, tuple[int, ...]]] | None:
+    """The class name and the tensor shapes of the model ``config`` describes, built on the meta
+    device (no memory, no weights initialised: a second or two for a 7B config), or None when
+    transformers cannot build it here (not installed, an unknown or remote-code ``model_type``, a
+    dict without ``model_type``): then nothing is compared."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    try:
+        if isinstance(config, transformers.PretrainedConfig):
+            cfg = copy.deepcopy(config)
+        else:
+            values = dict(config.items()) if hasattr(config, "items") else dict(config.to_dict())
+            cfg = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        named = next((getattr(transformers, a, None) for a in (cfg.architectures or [])), None)
+        with torch.device("meta"):
+            model = named(cfg) if isinstance(named, type) else transformers.AutoModelForCausalLM.from_config(cfg)
+        return type(model).__name__, {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    except Exception as e:  # whatever stops transformers building it: the check cannot be made
+        log.info("export: the config's model could not be built to compare shapes (%s: %s); not compared",
+                 type(e).__name__, e)
+        return None
+
+
+def _check_config_fits(state: dict, config: Any, step: int) -> None:
+    """Refuse, before anything is written, a config that does not describe these weights: a
+    tensor whose shape differs from the one the config's model has (another hidden_size,
+    vocab_size, number of heads...), or layers only one of them has (another num_hidden_layers).
+    from_pretrained would refuse that folder, or load it with weights left random. Only names
+    both have are compared for shapes, and only numbered blocks for presence, so weights named
+    for another class (a prefix more or less), a tied head left out, or an old buffer are no
+    mismatch."""
+    built = _config_model_shapes(config)
+    if built is None:
+        return
+    cls, expected = built
+    fix = ("Pass the config the weights were trained with (the step's own config.json, or model.config); "
+           "nothing was written")
+    for name, t in state.items():
+        want = expected.get(name)
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointConfigError(
+                f"the config does not fit step {step}'s weights: {name!r} has shape {tuple(t.shape)} in the step, "
+                f"and {want} in the {cls} the config describes{_sizes(config)}. {fix}")
+    if not any(name in expected for name in state):
+        return  # named for another class: nothing to compare by name
+    have = {_numbered(n) for n in state}
+    extra = next((n for n in state if n not in expected and _numbered(n) in {_numbered(k) for k in expected}), None)
+    missing = next((n for n in expected if n not in state and _numbered(n) in have), None)
+    if extra is not None or missing is not None:
+        which = (f"the step has {extra!r}, which the {cls} the config describes lacks" if extra is not None
+                 else f"the {cls} the config describes has {missing!r}, which the step lacks")
+        raise CheckpointConfigError(
+            f"the config does not fit step {step}'s weights: {which} (another number of layers?"
+            f"{_sizes(config)}). {fix}")
+
+
+def _numbered(name: str) -> str:
+    """A tensor name with its block numbers replaced: ``model.layers.3.mlp.weight`` ->
+    ``model.layers.#.mlp.weight``, to tell a layer one side lacks from a tensor of another kind."""
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+
+def _sizes(config: Any) -> str:
+    values = config if isinstance(config, dict) else getattr(config, "to_dict", dict)()
+    shown = {k: values[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads") if k in values}
+    return f"; the config has {', '.join(f'{k}={v}' for k, v in shown.items())}" if shown else ""
 
 
 def _check_out_dir(root: Storage, out: Storage) -> None:

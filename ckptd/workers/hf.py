@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ckptd.commit import in_save_unit
 from ckptd.errors import CheckpointConfigError
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
@@ -42,6 +43,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _ST_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the shard names save_hf_model writes
 
 
 def parse_size(size: int | str) -> int:
@@ -99,6 +101,13 @@ def save_hf_model(
     Run it inside a save unit (``coord.save_async("hf", lambda: save_hf_model(...), step)``) on
     one rank; the files it returns are listed in the step manifest without being read back.
 
+    Saving into a folder that holds an older save replaces it: once the new weights are written,
+    the old save's safetensors weight files that were not overwritten (``model-0000N-of-0000M``
+    shards, and ``model.safetensors`` or the index, whichever this save does not write) are
+    removed, as ``save_pretrained`` does with old shards. Other files are left as they are. Not
+    inside a save unit: a step's directory may hold the files of its committed state dict, which
+    nothing may change.
+
     Args:
         out_dir: Destination directory, a path or fsspec URL.
         state_dict: Tensor name -> tensor, already snapshotted (see :func:`ckptd.workers.snapshot`).
@@ -149,6 +158,7 @@ def save_hf_model(
     shards = _plan_shards(tensors, limit)
     if len(shards) == 1:
         written.append(write_safetensors(storage, f"{base}/{WEIGHTS}", tensors, _ST_METADATA))
+        _remove_old_weights(storage, base, {WEIGHTS})
         return written
     weight_map = {}
     for i, keys in enumerate(shards, 1):
@@ -158,7 +168,23 @@ def save_hf_model(
     total = sum(tensor_nbytes(t) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     written.append(write_json(storage, f"{base}/{INDEX}", index))
+    _remove_old_weights(storage, base, {INDEX, *weight_map.values()})
     return written
+
+
+def _remove_old_weights(storage: Storage, base: str, kept: set[str]) -> None:
+    """Remove the safetensors weight files of an older save in ``base`` that this save did not
+    overwrite, so the folder holds one save: shards named ``model-0000N-of-0000M.safetensors``
+    (what transformers' ``save_pretrained`` removes too), and also ``model.safetensors`` beside new
+    shards (``from_pretrained`` would load it instead of them) or an index beside a new single
+    file. Nothing else is touched: other files (``pytorch_model*.bin``, the user's) stay."""
+    if in_save_unit():
+        return
+    for name in sorted(storage.file_names(base)):
+        if name in kept:
+            continue
+        if name in (WEIGHTS, INDEX) or _SHARD_RE.fullmatch(name):
+            storage.rm(f"{base}/{name}")
 
 
 def _save_tokenizer(storage: Storage, base: str, tokenizer: Any, tokenizer_dir: str | None) -> list[WrittenFile]:

@@ -231,11 +231,9 @@ def _optimizer_loader(ckpt: ShardedCheckpoint, model: torch.nn.Module, optimizer
     names = parameter_names(model)
     ours = [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups]
     if ours != saved_names:
-        differ = [(a, b) for ga, gb in zip(ours, saved_names, strict=False)
-                  for a, b in zip(ga, gb, strict=False) if a != b]
         raise CheckpointConfigError(
             f"the optimizer's parameter groups differ from the saved ones ({[len(g) for g in ours]} vs "
-            f"{[len(g) for g in saved_names]} parameters per group, first differences: {differ[:3]}); "
+            f"{[len(g) for g in saved_names]} parameters per group; {_groups_difference(ours, saved_names)}); "
             "build the optimizer over the same parameters in the same groups")
     params = {name: p for g in optimizer.param_groups for p in g["params"] for name in [names[id(p)]]}
     per_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -342,3 +340,20 @@ def agree(ok: bool) -> None:
         raise CorruptCheckpointError(
             f"rank {int(failed.item()) - 1} could not load its part of the checkpoint (its error names the file); "
             "no rank changed anything")
+
+
+def _groups_difference(ours: list[list[str]], saved: list[list[str]]) -> str:
+    """The first place where the optimizer's parameter names per group differ from the saved ones,
+    in words (a name in one place but not the other, or a group or parameters one side lacks)."""
+    for i, (mine, theirs) in enumerate(zip(ours, saved, strict=False)):
+        if mine == theirs:
+            continue
+        pairs = [(a, b) for a, b in zip(mine, theirs, strict=False) if a != b]
+        if pairs:
+            return f"in group {i}, first differences (this optimizer's, the saved): {pairs[:3]}"
+        if len(mine) < len(theirs):
+            return f"group {i} lacks the saved parameters {theirs[len(mine):][:3]}"
+        return f"group {i} has parameters the saved one lacks: {mine[len(theirs):][:3]}"
+    if len(ours) < len(saved):
+        return f"the saved group {len(ours)} of parameters {saved[len(ours)][:3]} is missing"
+    return f"group {len(saved)} of parameters {ours[len(saved)][:3]} was not saved"

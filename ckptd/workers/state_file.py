@@ -215,6 +215,12 @@ def saved_states(committed: CommittedStep) -> list[str]:
     return sorted(f.removesuffix(SUFFIX) for f in committed.files if f.endswith(SUFFIX) and "/" not in f)
 
 
+def nested_states(committed: CommittedStep) -> list[str]:
+    """The names of the default-writer states of a committed step that have a structure file:
+    the only ones that can be an optimizer's state dict (a model's weights are a flat state)."""
+    return [n for n in saved_states(committed) if n + STRUCTURE_SUFFIX in committed.files]
+
+
 def read_state(storage: Storage, committed: CommittedStep, name: str) -> Any:
     """The state saved as ``name`` in the committed step (see :func:`load_state`).
 

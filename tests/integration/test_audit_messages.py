@@ -211,18 +211,27 @@ def test_the_optimizer_name_hint_names_only_states_that_can_be_an_optimizers(mak
     assert ckptd.resume(root, optimizer=fresh, optimizer_name="optim", restore_rng=False).step == 1
 
 
-def test_an_optimizer_sharded_with_the_weights_without_model_says_to_pass_the_model(make_monitor, tmp_path):
+def _sharded_step(make_monitor, root: str, with_a_copy: bool = False) -> torch.nn.Module:
+    """Step 1: a trained model and its AdamW saved by sharded_state into actor/ (and with
+    ``with_a_copy`` the model's weights in the step directory too, as an HF-style copy); a fresh
+    model of the same layout is returned."""
     from ckptd.workers import sharded_state
 
-    root = str(tmp_path / "ckpt")
     model, opt = _trained()
 
     def save(coord):
         sharded_state(model, opt, rank=0, world_size=1).save(coord, "sharded", 1, f"{coord.step_dir(1)}/actor")
-        return 1
+        if with_a_copy:
+            coord.save_state_async("model", model.state_dict(), 1)
+        return 2 if with_a_copy else 1
 
     _commit(make_monitor(root), 1, save)
-    fresh_model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+
+
+def test_an_optimizer_sharded_with_the_weights_without_model_says_to_pass_the_model(make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    fresh_model = _sharded_step(make_monitor, root)
     fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
     with pytest.raises(ckptd.CheckpointConfigError, match=r"step 1 holds the optimizer state sharded with the "
                                                           r"weights \(actor/\).*pass model="):
@@ -233,17 +242,8 @@ def test_an_optimizer_sharded_with_the_weights_without_model_says_to_pass_the_mo
 
 
 def test_optimizer_groups_that_differ_only_in_length_name_what_differs(make_monitor, tmp_path):
-    from ckptd.workers import sharded_state
-
     root = str(tmp_path / "ckpt")
-    model, opt = _trained()
-
-    def save(coord):
-        sharded_state(model, opt, rank=0, world_size=1).save(coord, "sharded", 1, f"{coord.step_dir(1)}/actor")
-        return 1
-
-    _commit(make_monitor(root), 1, save)
-    fresh_model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    fresh_model = _sharded_step(make_monitor, root)
     fewer = torch.optim.AdamW(list(fresh_model.parameters())[:3], lr=0.01)  # the same names, one missing
     with pytest.raises(ckptd.CheckpointConfigError) as e:
         ckptd.resume(root, model=fresh_model, optimizer=fewer, restore_rng=False)
@@ -291,18 +291,8 @@ def test_an_export_whose_config_does_not_fit_the_weights_is_refused_before_anyth
 
 
 def test_an_optimizer_sharded_in_another_folder_than_the_models_says_which_model_dir(make_monitor, tmp_path):
-    from ckptd.workers import sharded_state
-
     root = str(tmp_path / "ckpt")
-    model, opt = _trained()
-
-    def save(coord):
-        sharded_state(model, opt, rank=0, world_size=1).save(coord, "sharded", 1, f"{coord.step_dir(1)}/actor")
-        coord.save_state_async("model", model.state_dict(), 1)  # an HF-style copy in the step directory
-        return 2
-
-    _commit(make_monitor(root), 1, save)
-    fresh_model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    fresh_model = _sharded_step(make_monitor, root, with_a_copy=True)
     fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
     with pytest.raises(ckptd.CheckpointConfigError, match=r"sharded with the weights \(actor/\).*pass model_dir= "
                                                           r"that folder \('actor'\)"):

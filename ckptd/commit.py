@@ -108,11 +108,6 @@ def publish_guard(check: Hook) -> Iterator[None]:
         _guard.reset(token)
 
 
-def in_save_unit() -> bool:
-    """Whether this context runs a save unit's save function (its publishes are guarded)."""
-    return _guard.get() is not None
-
-
 def check_publish() -> None:
     """Run this context's publish guard, if there is one (see :func:`publish_guard`)."""
     guard = _guard.get()

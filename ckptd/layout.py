@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,6 +126,21 @@ def _read_layout(storage: Storage) -> dict | None:
         f"the root needs it to find the step directories. Restore it: it holds "
         f'{{"step_dir_template": "<the template the run used, {DEFAULT_TEMPLATE} by default>", '
         f'"{_BEFORE}": [<the step directories of another tool the root held before ckptd, or none>]}}')
+
+
+def enclosing_root(storage: Storage) -> str | None:
+    """The checkpoint root that holds ``storage``'s root (or is it): the nearest directory at or
+    above it with ckptd's ledger directory, as a path of ``storage.fs``; None if there is none.
+    One lookup per level, up to the filesystem's root or the bucket."""
+    here = storage.root.rstrip("/")
+    while here:
+        if storage.fs.isdir(f"{here}/{LEDGER_DIR}"):
+            return here
+        parent = posixpath.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    return None
 
 
 # -- finding steps -------------------------------------------------------------------------------

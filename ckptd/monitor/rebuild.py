@@ -41,7 +41,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     now = time.time()
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
-    state_dicts = start_manifests(storage, scanned, strict=False)  # start_monitor checked them strictly
+    state_dicts, damaged = start_manifests(storage, scanned, strict=False)  # start_monitor checked them strictly
     for step, entry in scanned.items():
         for kind in entry.kinds:
             manifest = state_dicts.get(step) if kind is SD else None
@@ -72,16 +72,20 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         out.steps.append(rec)
     if committer is not None:
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
-        # cut short (the failure is recorded first), which the start-up finishes.
-        newest = _newest(scanned, lambda s, kinds: frozenset(k for k in kinds if (s, k) not in recorded_failed))
+        # cut short (the failure is recorded first), which the start-up finishes. Nor forward onto
+        # a step with a damaged manifest, which every loader of the step refuses.
+        newest = _newest(scanned, lambda s, kinds: frozenset(
+            k for k in kinds if (s, k) not in recorded_failed and s not in damaged))
         _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed)
     return out
 
 
-def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: bool = True) -> dict[int, Manifest]:
+def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *,
+                    strict: bool = True) -> tuple[dict[int, Manifest], set[int]]:
     """Read the manifests a starting monitor relies on: the state dict's of each step without a
     full checkpoint (a later unit of the step is checked against its units and files), returned
-    by step, and those of the newest step of each kind, which the trackers will name.
+    by step, and those of the newest step of each kind, which the trackers will name. Returns
+    those state dicts, and the steps whose manifests it found damaged (with ``strict=False``).
 
     Raises:
         CorruptCheckpointError: one of them is damaged (each is named): the trackers would name a
@@ -97,6 +101,7 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
             wanted |= {(max(steps), k) for k in scanned[max(steps)].kinds}
     read: dict[int, Manifest] = {}
     damaged: list[str] = []
+    damaged_steps: set[int] = set()
     for step, kind in sorted(wanted):
         path = storage.join(scanned[step].name, MANIFESTS[kind])
         try:
@@ -107,6 +112,7 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
                     read[step] = manifest
         except CorruptCheckpointError as e:
             damaged.append(str(e))
+            damaged_steps.add(step)
     if damaged and not strict:
         log.error("damaged manifests: %s. Their steps stay as they are, and their loaders refuse them; restore "
                   "them (the mirror holds a copy, if the run has one) or retire those steps", "; ".join(damaged))
@@ -116,7 +122,7 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
             f"{'; '.join(damaged)}. ckptd writes a manifest whole, once, when its step commits, so something else "
             "changed it: restore it (the mirror holds a copy, if the run has one), or move the step's directory out "
             "of the root (or retire it: ckptd retire ROOT --after an older step), then start the monitor again")
-    return read
+    return read, damaged_steps
 
 
 def _newest(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:

@@ -88,9 +88,8 @@ def start_monitor(
     existing = _existing_actor(run, namespace)
     if existing is not None:
         return _attach(existing, storage, root_url, run, opts)
-    # What the actor's start-up reads: damaged? Before a takeover stops the live monitor.
-    start_manifests(storage, scan_steps(storage, template))
-    _refuse_live_monitor(storage, run, namespace, takeover)
+    start_manifests(storage, scan_steps(storage, template))  # what the actor's start-up reads: damaged?
+    live = _live_to_take_over(storage, takeover)  # refused here without takeover=True
     fresh = [s for s in (storage, mirror) if s is not None and not s.exists(s.join(LEDGER_DIR))]
     # The driver's shared-root probe is also the check that the root can be written at all.
     probe = write_probe(storage, f"the driver on {where_am_i()}")
@@ -99,6 +98,10 @@ def start_monitor(
     try:
         if mirror is not None:
             check_writable(mirror, probe.writer)
+        # Every check that can refuse before the attempt opens has passed: only now is the live
+        # monitor stopped (refused later, the start is undone, but the new attempt fenced it).
+        _take_over(storage, live)
+        if mirror is not None:
             record_template(mirror, template)
         record_template(storage, template)
         failpoints.hit("before_open_attempt")
@@ -199,13 +202,19 @@ def _live_monitor_of(rec: AttemptRecord) -> Any | None:
     return handle if info.get("attempt") == rec.attempt and info.get("root") == rec.root else None
 
 
-def _refuse_live_monitor(storage: Storage, run: str, namespace: str | None, takeover: bool) -> None:
+def _live_to_take_over(storage: Storage, takeover: bool) -> tuple[AttemptRecord, Any] | None:
+    """The live monitor of the root's newest attempt (its record and handle), to stop with
+    :func:`_take_over`, or None if there is none.
+
+    Raises:
+        CheckpointConfigError: there is one, and ``takeover`` is False.
+    """
     rec = current_attempt(storage)
     if rec is None:
-        return
+        return None
     handle = _live_monitor_of(rec)
     if handle is None:
-        return
+        return None
     if not takeover:
         raise CheckpointConfigError(
             f"checkpoint root {storage.url!r} is in use by the live monitor of run {rec.run!r} (namespace "
@@ -214,8 +223,14 @@ def _refuse_live_monitor(storage: Storage, run: str, namespace: str | None, take
             f"{rec.namespace!r}) to attach to it, another root, or start_monitor(..., takeover=True) to "
             "stop it and take the root over"
         )
-    log.warning("taking over %s from run %r (attempt %d)", storage.url, rec.run, rec.attempt)
-    ray.kill(handle, no_restart=True)  # the new attempt fences it out even if this is too late
+    return rec, handle
+
+
+def _take_over(storage: Storage, live: tuple[AttemptRecord, Any] | None) -> None:
+    if live is not None:
+        rec, handle = live
+        log.warning("taking over %s from run %r (attempt %d)", storage.url, rec.run, rec.attempt)
+        ray.kill(handle, no_restart=True)  # the new attempt fences it out even if this is too late
 
 
 def _create_actor(root_url: str, run: str, namespace: str | None, storage_options: dict | None,

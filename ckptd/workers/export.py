@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import ray
 
 from ckptd.errors import CheckpointConfigError, CheckpointError
-from ckptd.layout import LEDGER_DIR
+from ckptd.layout import enclosing_root
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.units import check_step
@@ -169,17 +168,11 @@ def _check_out_dir(root: Storage, out: Storage) -> None:
         raise CheckpointConfigError(
             f"out_dir {out.url!r} is inside the checkpoint root {root.url!r}, whose committed files must never "
             "change: export to a directory outside it")
-    if out.is_posix:
-        here = out.root
-        while True:  # inside another root: a directory above holds ckptd's ledger
-            if os.path.isdir(os.path.join(here, LEDGER_DIR)):
-                raise CheckpointConfigError(
-                    f"out_dir {out.url!r} is inside the checkpoint root {here!r}, whose committed files must never "
-                    "change: export to a directory outside it")
-            parent = os.path.dirname(here)
-            if parent == here:
-                break
-            here = parent
+    other = enclosing_root(out)  # inside another root: a directory above holds ckptd's ledger
+    if other is not None:
+        raise CheckpointConfigError(
+            f"out_dir {out.url!r} is inside the checkpoint root {other!r}, whose committed files must never "
+            "change: export to a directory outside it")
     problem = out.root_problem()
     if problem == Storage.IS_A_FILE:
         raise CheckpointConfigError(f"out_dir {out.url!r} is a file: give a new or empty directory")

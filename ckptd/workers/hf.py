@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ckptd.commit import in_save_unit
 from ckptd.errors import CheckpointConfigError
+from ckptd.layout import enclosing_root
 from ckptd.manifest import WrittenFile
 from ckptd.storage import Storage
 from ckptd.workers.files import write_bytes, write_json
@@ -105,8 +105,8 @@ def save_hf_model(
     the old save's safetensors weight files that were not overwritten (``model-0000N-of-0000M``
     shards, and ``model.safetensors`` or the index, whichever this save does not write) are
     removed, as ``save_pretrained`` does with old shards. Other files are left as they are. Not
-    inside a save unit: a step's directory may hold the files of its committed state dict, which
-    nothing may change.
+    inside a checkpoint root: a step's directory may hold the files of its committed state dict,
+    which nothing may change.
 
     Args:
         out_dir: Destination directory, a path or fsspec URL.
@@ -178,8 +178,8 @@ def _remove_old_weights(storage: Storage, base: str, kept: set[str]) -> None:
     (what transformers' ``save_pretrained`` removes too), and also ``model.safetensors`` beside new
     shards (``from_pretrained`` would load it instead of them) or an index beside a new single
     file. Nothing else is touched: other files (``pytorch_model*.bin``, the user's) stay."""
-    if in_save_unit():
-        return
+    if enclosing_root(storage) is not None:  # base is its root
+        return  # committed files never change; ckptd's start-up and gc clean what never committed
     for name in sorted(storage.file_names(base)):
         if name in kept:
             continue

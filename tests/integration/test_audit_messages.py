@@ -149,10 +149,13 @@ def test_save_hf_model_over_an_older_sharded_save_leaves_only_the_new_save(tmp_p
     assert all(torch.equal(loaded.state_dict()[k], changed[k]) for k in state)
 
 
-def test_save_hf_model_in_a_save_unit_leaves_the_committed_state_dicts_files(make_monitor, tmp_path):
-    """Inside a save unit, the folder may be a step's directory holding the files of its committed
-    state dict (Trinity's save_state_dict, then save_checkpoint of the same step): nothing is removed
-    there, or the state dict's manifest would list a file that is gone."""
+def test_save_hf_model_in_a_checkpoint_root_leaves_the_committed_state_dicts_files(make_monitor, tmp_path):
+    """Inside a checkpoint root, the folder may be a step's directory holding the files of its
+    committed state dict (Trinity's save_state_dict, then save_checkpoint of the same step): nothing
+    is removed there, or the state dict's manifest would list a file that is gone. Also from a
+    thread the save function starts without its context (helper-67)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ckptd.workers import save_hf_model
 
     _, config, model = _tiny_llama()
@@ -163,7 +166,9 @@ def test_save_hf_model_in_a_save_unit_leaves_the_committed_state_dicts_files(mak
     coord.save_sync(lambda: save_hf_model(coord.step_dir(1), state, config), 1, is_state_dict=True)
     coord.wait_committed(1, is_state_dict=True, timeout_s=60)
     coord.register(1, checkpoint_thread_count=1)
-    coord.save_sync(lambda: save_hf_model(coord.step_dir(1), state, config, max_shard_size=20000), 1)
+    with ThreadPoolExecutor(1) as pool:
+        coord.save_sync(lambda: pool.submit(save_hf_model, coord.step_dir(1), state, config,
+                                            max_shard_size=20000).result(), 1)
     coord.wait_committed(1, timeout_s=60)
     assert os.path.exists(f"{coord.step_dir(1)}/model.safetensors")
     ckptd.verify(root, 1)

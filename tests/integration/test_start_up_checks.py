@@ -26,6 +26,7 @@ from .helpers import (
     ledger_records,
     read_manifest,
     restart_monitor,
+    save_one,
     tracker_of,
     wait_for,
     write_file,
@@ -48,6 +49,42 @@ def test_a_refused_takeover_leaves_the_live_monitor_running(make_monitor, tmp_pa
         make_monitor(root, run="the-next-job", takeover=True)
     # It was refused after the takeover had stopped the live monitor, and the run could not go on.
     commit_one(coord, 3, "model.bin", is_state_dict=False)
+    assert tracker_of(root, CKPT) == 3
+    coord.close()
+
+
+def test_a_takeover_refused_by_an_unwritable_mirror_leaves_the_live_monitor_running(make_monitor, tmp_path):
+    """Every check that can refuse before the new attempt opens runs before the takeover stops the
+    live monitor: the mirror's write check ran after it (helper-67)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    write_file(str(tmp_path / "a-file"), b"x")
+    with pytest.raises(ckptd.CheckpointConfigError, match="mirror"):
+        make_monitor(root, run="the-next-job", takeover=True, mirror=str(tmp_path / "a-file" / "mirror"))
+    outcome, error = in_thread(lambda: commit_one(coord, 2, "model.bin", is_state_dict=False), DEADLINE_S)
+    assert outcome == "ok", error
+    assert tracker_of(root, CKPT) == 2
+    coord.close()
+
+
+def test_a_restart_never_moves_a_tracker_onto_a_step_it_found_damaged(make_monitor, tmp_path):
+    """Checkpoint 2's manifest is published, its tracker not yet (the monitor held before the
+    rename); the manifest is damaged and the monitor restarted: its repair of the tracker left
+    behind moved it onto step 2, which every loader refuses (helper-67)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    arm_in_monitor(monitor, "before_tracker_rename", f"until:{DEADLINE_S:g}:{tmp_path / 'gate'}")
+    save_one(coord, 2, "model.bin", is_state_dict=False)
+    wait_for(lambda: held_at(monitor, "before_tracker_rename"), DEADLINE_S, "the commit held before its tracker")
+    assert read_manifest(root, 2, CKPT) is not None and tracker_of(root, CKPT) == 1
+    write_file(f"{root}/global_step_2/ckptd_manifest.json", b"{damaged")
+    restart_monitor(monitor)
+    assert tracker_of(root, CKPT) == 1 and ckptd.verify(root).step == 1
+    commit_one(coord, 3, "model.bin", is_state_dict=False)  # the run goes on past it
     assert tracker_of(root, CKPT) == 3
     coord.close()
 
@@ -80,11 +117,16 @@ def test_a_restart_of_a_running_jobs_monitor_goes_on_past_a_damaged_manifest(mak
     commit_one(coord, 2, "model.bin", is_state_dict=False)
     write_file(f"{root}/global_step_1/ckptd_state_dict_manifest.json", b"{damaged")
     restart_monitor(monitor)
+    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_1"):
+        ckptd.verify(root, 1)
+    # A full checkpoint of that step fails, naming the manifest (was a bare pydantic error).
+    coord.register(1, checkpoint_thread_count=1)
+    coord.save_async("optim", lambda: write_file(f"{coord.step_dir(1)}/optim.bin", b"o"), 1)
+    with pytest.raises(ckptd.CheckpointSaveError, match="global_step_1/ckptd_state_dict_manifest.json: not a valid"):
+        coord.wait_committed(1, timeout_s=DEADLINE_S)  # reported here: wait_all and close do not again
     outcome, error = in_thread(lambda: commit_one(coord, 3, "model.bin", is_state_dict=False), DEADLINE_S)
     assert outcome == "ok", error
     assert tracker_of(root, CKPT) == 3 and ckptd.verify(root).step == 3
-    with pytest.raises(ckptd.CorruptCheckpointError, match="global_step_1"):
-        ckptd.verify(root, 1)
     coord.close()
 
 

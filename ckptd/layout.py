@@ -304,8 +304,9 @@ def _not_failed(storage: Storage) -> Trusted:
         if not kinds:
             return kinds
         if counted is None:
-            started = list_attempts(storage, "started")
-            counted = [a for a in list_attempts(storage) if not started or a >= started[-1]]
+            opened = list_attempts(storage)
+            started = [a for a in list_attempts(storage, "started") if a in opened]  # not one taken back
+            counted = [a for a in opened if not started or a >= started[-1]]
         return frozenset(k for k in kinds if not any(
             storage.exists(step_failure_path(storage, a, step, k)) for a in counted))
 

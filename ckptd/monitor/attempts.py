@@ -61,13 +61,22 @@ def open_attempt(storage: Storage, run: str, namespace: str | None) -> AttemptRe
             finally:
                 os.unlink(tmp)
             fsync_path(attempts_dir(storage))
-            return rec
+            return _without_stale_start(storage, rec)
         if storage.exists(path):
             continue
         storage.write_atomic(path, data)
         if storage.read_bytes(path) == data:
-            return rec
+            return _without_stale_start(storage, rec)
     raise CheckpointError(f"could not open a new attempt under {storage.url}: too many concurrent starts")
+
+
+def _without_stale_start(storage: Storage, rec: AttemptRecord) -> AttemptRecord:
+    """Remove a start marker of the number just claimed: no monitor of this attempt ran yet, so it
+    is the marker of a start taken back (a start_monitor that lost, whose actor marked its start
+    as it was being killed). Left there, this attempt's monitor would take its first start for a
+    Ray restart and skip its clean-up of the older attempts."""
+    storage.rm(f"{attempts_dir(storage)}/{rec.attempt}.started")
+    return rec
 
 
 def started_before(storage: Storage, attempt: int) -> bool:

@@ -52,3 +52,16 @@ def test_a_newer_attempt_whose_record_does_not_parse_still_fences(tmp_path):
         check_fence(storage, mine)
     first, second = newer_attempts(storage, mine), newer_attempts(storage, mine)
     assert [r.attempt for r in first] == [2] and first == second
+
+
+def test_a_start_marker_left_by_a_start_taken_back_does_not_pass_for_the_next_jobs(tmp_path):
+    """A losing start_monitor takes its attempt back, but its actor, being killed, may still mark
+    its start: the next job claims the same number, and its monitor took its first start for a Ray
+    restart and skipped the clean-up of older attempts (helper-67's edge)."""
+    from ckptd.monitor.attempts import mark_started, started_before
+
+    storage = Storage(str(tmp_path / "root"))
+    mark_started(storage, open_attempt(storage, "old-job", None).attempt)
+    mark_started(storage, 2)  # the marker of attempt 2, whose record was taken back
+    rec = open_attempt(storage, "next-job", None)
+    assert rec.attempt == 2 and not started_before(storage, 2)

@@ -268,7 +268,6 @@ def list_attempts(storage: Storage, ext: str = "json") -> list[int]:
     return sorted(out)
 
 
-
 def pending_root(storage: Storage) -> str:
     return storage.join(LEDGER_DIR, "pending")
 

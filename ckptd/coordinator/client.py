@@ -254,7 +254,7 @@ class MonitorClient:
 
     def _died_starting(self, e: RayActorError) -> CheckpointError:
         """The monitor's actor raised in its start-up (Ray restarted it after a crash, and its
-        rebuild from storage failed: a damaged manifest, say): it stays dead, so waiting for it
+        rebuild from storage failed: a damaged .ckptd/layout.json, say): it stays dead, so waiting for it
         until the timeout would only delay the error."""
         said = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "")
         return CheckpointError(

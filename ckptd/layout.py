@@ -168,14 +168,13 @@ def kinds_in(storage: Storage, name: str) -> frozenset[Kind]:
 
 def listed_files(storage: Storage, entry: StepEntry) -> set[str]:
     """The step-relative paths the manifests of a step directory list."""
-    from ckptd.manifest import parse_manifest
+    from ckptd.manifest import read_manifest
 
     listed: set[str] = set()
     for kind in entry.kinds:
-        path = storage.join(entry.name, MANIFESTS[kind])
-        text = storage.read_text_or_none(path)
-        if text is not None:
-            listed |= {f.path for f in parse_manifest(text, path).files}
+        manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[kind]))
+        if manifest is not None:
+            listed |= {f.path for f in manifest.files}
     return listed
 
 

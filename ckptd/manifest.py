@@ -91,6 +91,16 @@ def parse_manifest(text: str, path: str, *, advice: bool = True) -> Manifest:
             "--after an older step) to resume from an older one") from e
 
 
+def read_manifest(storage: Storage, path: str, *, advice: bool = True) -> Manifest | None:
+    """The manifest at ``path``, or None if there is none.
+
+    Raises:
+        CorruptCheckpointError: it is there but not a manifest (see :func:`parse_manifest`).
+    """
+    text = storage.read_text_or_none(path)
+    return None if text is None else parse_manifest(text, path, advice=advice)
+
+
 def crc32_file(storage: Storage, path: str) -> tuple[int, str]:
     """Size and CRC-32 (8 hex digits) of a file, read in large chunks."""
     crc = 0

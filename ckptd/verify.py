@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError, CorruptCheckpointError
 from ckptd.layout import MANIFESTS, find_step_dir, newest_committed, parse_kind
-from ckptd.manifest import FileEntry, Manifest, crc32_file, parse_manifest
+from ckptd.manifest import FileEntry, Manifest, crc32_file, read_manifest
 from ckptd.storage import Storage, explains_credentials
 from ckptd.workers.files import mismatch, read_verified
 
@@ -49,10 +49,9 @@ def open_step(storage: Storage, step: int | None, kind: Kind | None) -> Committe
     for k in Kind:
         if path is None:
             break
-        mpath = f"{path}/{MANIFESTS[k]}"
-        text = storage.read_text_or_none(mpath)
-        if text is not None:
-            manifests[k] = parse_manifest(text, mpath)
+        manifest = read_manifest(storage, f"{path}/{MANIFESTS[k]}")
+        if manifest is not None:
+            manifests[k] = manifest
     if path is None or not manifests or kind is Kind.CHECKPOINT and Kind.CHECKPOINT not in manifests:
         what = f"as a {kind.value}" if kind is not None else "(it has no manifest)"
         raise CheckpointError(f"step {step} is not committed {what} under {storage.url}: "

@@ -27,7 +27,7 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
 from ckptd.layout import MANIFESTS, foreign_dirs, listed_files, scan_steps
-from ckptd.manifest import changed_files, is_internal, parse_manifest
+from ckptd.manifest import changed_files, is_internal, read_manifest
 from ckptd.protocol import attempt_pending_dir, pending_attempts, recorded_steps
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -138,6 +138,5 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
 
 def _stale_state_dict(storage: Storage, name: str) -> bool:
     """Whether step directory ``name`` has a state-dict manifest listing bytes storage no longer holds."""
-    path = storage.join(name, MANIFESTS[Kind.STATE_DICT])
-    text = storage.read_text_or_none(path)
-    return text is not None and bool(changed_files(storage, name, parse_manifest(text, path).files))
+    manifest = read_manifest(storage, storage.join(name, MANIFESTS[Kind.STATE_DICT]))
+    return manifest is not None and bool(changed_files(storage, name, manifest.files))

@@ -30,7 +30,7 @@ from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError, check_fence
 from ckptd.layout import MANIFESTS, TRACKERS, Trusted, find_step_dir, is_committed, newest_committed, read_tracker
-from ckptd.manifest import FileEntry, Manifest, build_manifest, changed_files, is_internal, parse_manifest
+from ckptd.manifest import FileEntry, Manifest, build_manifest, changed_files, is_internal, read_manifest
 from ckptd.monitor.commit_check import CommitCheckError, StepChecks
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -117,10 +117,9 @@ class Committer(StepChecks):
         for kind in Kind:
             # A manifest this plan published in an earlier try is committed now, like any other.
             unpublished = kind in plan.kinds and kind not in plan.published
-            path = f"{step_path}/{MANIFESTS[kind]}"
-            text = None if unpublished else self.storage.read_text_or_none(path)
-            if text is not None:
-                committed.update({f.path: f for f in parse_manifest(text, path).files})
+            manifest = None if unpublished else read_manifest(self.storage, f"{step_path}/{MANIFESTS[kind]}")
+            if manifest is not None:
+                committed.update({f.path: f for f in manifest.files})
         links: list[str] = []
         reported = sum(map(len, plan.reports.values()))
         on_storage = self.storage.walk_files(step_path, skip=is_internal, links=links, large=reported >= LARGE_STEP)
@@ -223,8 +222,8 @@ class Committer(StepChecks):
         """Whether the checkpoint manifest of ``step`` counted the registration ``reg_id``."""
         name = find_step_dir(self.storage, step, self.template)
         path = None if name is None else self.storage.join(name, MANIFESTS[Kind.CHECKPOINT])
-        text = None if path is None else self.storage.read_text_or_none(path)
-        return text is not None and reg_id in (parse_manifest(text, path).registrations or [])
+        manifest = None if path is None else read_manifest(self.storage, path)
+        return manifest is not None and reg_id in (manifest.registrations or [])
 
     def revoke(self, step: int, kind: Kind, trusted: Trusted | None = None) -> int | None:
         """Take back a commit whose files changed: point the tracker of ``kind`` at the newest

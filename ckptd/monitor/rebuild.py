@@ -11,7 +11,7 @@ from ckptd import protocol
 from ckptd.config import Kind
 from ckptd.errors import CorruptCheckpointError
 from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
-from ckptd.manifest import Manifest, parse_manifest
+from ckptd.manifest import Manifest, read_manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.storage import Storage
@@ -103,13 +103,11 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *,
     damaged: list[str] = []
     damaged_steps: set[int] = set()
     for step, kind in sorted(wanted):
-        path = storage.join(scanned[step].name, MANIFESTS[kind])
         try:
-            text = storage.read_text_or_none(path)
-            if text is not None:  # None: gone since the listing (retired, say); nothing to rely on
-                manifest = parse_manifest(text, path, advice=False)
-                if kind is SD:
-                    read[step] = manifest
+            # None: gone since the listing (retired, say); nothing to rely on.
+            manifest = read_manifest(storage, storage.join(scanned[step].name, MANIFESTS[kind]), advice=False)
+            if manifest is not None and kind is SD:
+                read[step] = manifest
         except CorruptCheckpointError as e:
             damaged.append(str(e))
             damaged_steps.add(step)

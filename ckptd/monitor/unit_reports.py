@@ -11,7 +11,7 @@ from typing import Any
 from ckptd import protocol
 from ckptd.config import Kind, SaveStrategy
 from ckptd.layout import MANIFESTS, find_step_dir
-from ckptd.manifest import FileEntry, Manifest, parse_manifest
+from ckptd.manifest import FileEntry, Manifest, read_manifest
 from ckptd.metrics import FAILED_UNITS
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 from ckptd.protocol import UnitFailure, UnitId
@@ -229,9 +229,7 @@ class UnitReports:
             ValueError: it cannot be read as a manifest.
         """
         name = find_step_dir(self._storage, step, self._template)
-        path = None if name is None else self._storage.join(name, MANIFESTS[kind])
-        text = None if path is None else self._storage.read_text_or_none(path)
-        return None if text is None else parse_manifest(text, path)
+        return None if name is None else read_manifest(self._storage, self._storage.join(name, MANIFESTS[kind]))
 
     async def _read_back_committed(self, rec: StepRecord) -> None:
         """Fill in what the step's committed state dict lists, when its record was rebuilt after a

@@ -61,14 +61,10 @@ class Waiting:
                     while not ray.wait([ref], timeout=_CLOSE_CHECK_S)[0]:
                         self._check_waiting(action[3], partial(ray.cancel, ref), after, timeout_s)
                     result = ray.get(ref)
-                elif action[0] == "storage":
-                    result = newest_committed(self._storage, self.kind)
-                elif action[0] == "reattach":
-                    result = ray.is_initialized() and self._reattach()
-                elif action[0] == "root":
-                    result = self._why_nothing()
-                else:
+                elif action[0] == "pause":
                     self._stop.wait(action[1])
+                else:
+                    result = self._look(action[0])
             except RayActorError as e:
                 error = e
 
@@ -90,16 +86,21 @@ class Waiting:
                     while not (await asyncio.wait({answer}, timeout=_CLOSE_CHECK_S))[0]:
                         self._check_waiting(action[3], answer.cancel, after, timeout_s)
                     result = answer.result()
-                elif action[0] == "storage":
-                    result = await asyncio.to_thread(newest_committed, self._storage, self.kind)
-                elif action[0] == "reattach":
-                    result = ray.is_initialized() and await asyncio.to_thread(self._reattach)
-                elif action[0] == "root":
-                    result = await asyncio.to_thread(self._why_nothing)
-                else:
+                elif action[0] == "pause":
                     await asyncio.sleep(action[1])
+                else:
+                    result = await asyncio.to_thread(self._look, action[0])
             except RayActorError as e:
                 error = e
+
+    def _look(self, what: str) -> Any:
+        """The blocking actions of :meth:`_waiting` other than the long poll and the pause (both
+        twins run them, the async one in a thread)."""
+        if what == "storage":
+            return newest_committed(self._storage, self.kind)
+        if what == "reattach":
+            return ray.is_initialized() and self._reattach()
+        return self._why_nothing()  # "root"
 
     def _check_waiting(self, deadline: float | None, cancel, after: int | None, timeout_s: float | None) -> None:
         """While a long poll is out: stop at close(), and at the deadline even if the monitor is

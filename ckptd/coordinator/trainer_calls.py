@@ -117,7 +117,10 @@ class TrainerCalls:
             CheckpointSaveError: the step failed.
             TimeoutError: it was neither committed nor failed within ``timeout_s``.
             CheckpointError: the monitor knows nothing of the step and it is older than the
-                newest commit (deleted by retention before the monitor restarted, or never saved).
+                newest commit (deleted by retention before the monitor restarted, or never saved),
+                or a newer job took the root over before the step's commit could be settled: that
+                job decides whether it is committed (``ckptd.latest_step``); the step is not
+                reported failed, as it may be committed.
         """
         kind, step, timeout_s = Kind.from_flag(is_state_dict), check_step(global_step), check_timeout(timeout_s)
         self._flush_registrations()  # a registration still on its way could be the step's last
@@ -128,7 +131,7 @@ class TrainerCalls:
         if result["cause"] is None:
             detail = f": {result['detail']}" if result.get("detail") else ""  # older monitors send none
             raise TimeoutError(f"step {global_step} ({kind.value}) not committed within {timeout_s} s{detail}")
-        if result.get("unknown"):
+        if result.get("unknown") or result.get("undecided"):
             raise CheckpointError(result["cause"])
         raise CheckpointSaveError(global_step, kind.value, result["unit"], result["cause"])
 

@@ -79,7 +79,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._storage = Storage(root, storage_options)
         self._attempt_id = protocol.attempt_id(attempt, self._storage.url)
         self._template = StepDirTemplate(self._opts.step_dir_template)
-        self._committer = Committer(self._storage, self._template, attempt)
+        self._committer = Committer(self._storage, self._template, attempt, lambda: self._fence_for_good)
         self._started_at = time.time()
         self._ledger = StepLedger(self._opts.step_timeout_s, self._opts.unregistered_warning_s)
         self._events: dict[tuple[int, Kind], asyncio.Event] = {}
@@ -97,6 +97,7 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._unshared: list[str] = []  # processes that do not see this monitor's root
         self._failures_recorded: set[tuple[int, Kind]] = set()  # being recorded, or recorded
         self._failures_durable: set[tuple[int, Kind]] = set()  # recorded: may be reported
+        self._undecided: set[tuple[int, Kind]] = set()  # publishes a newer job's attempt left to it (CommitFlow)
         self._warned: set[str] = set()
         self._fenced: str | None = None
         self._newer_attempt: AttemptRecord | None = None  # found by the last fence check (FenceWatch)

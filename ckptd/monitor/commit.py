@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -44,6 +45,8 @@ LARGE_STEP = 2000
 #: Backoff between tries to settle a publish that raised, while storage refuses both the sync and the removal.
 _SETTLE_BACKOFF_S = 0.1
 _SETTLE_MAX_BACKOFF_S = 30.0
+#: How often a publish being settled looks again while a newer attempt that may be taken back holds it.
+_SETTLE_FENCED_S = 1.0
 
 
 class _NotNeeded(Exception):
@@ -52,6 +55,20 @@ class _NotNeeded(Exception):
 
 class Deferred(Exception):
     """The commit must wait: files no unit reported may belong to a unit still running."""
+
+
+class UndecidedPublish(FencedError):
+    """A publish raised, storage refused both the sync and the removal that would have settled
+    it, and a newer attempt now owns the root for good: ``path`` may be visible, so whether what
+    it publishes is committed is for that attempt's job to decide (its start-up keeps a manifest
+    whose files verify). The monitor must not report it failed, nor committed."""
+
+    def __init__(self, mine: int, newer: int, run: str, path: str) -> None:
+        super().__init__(mine, newer, run)
+        self.path = path
+
+    def __reduce__(self):
+        return (type(self), (self.mine, self.newer, self.run, self.path))
 
 
 @dataclass
@@ -90,10 +107,15 @@ class CommitPlan:
 class Committer(StepChecks):
     """Publishes manifests and trackers for one monitor (one attempt) of one root."""
 
-    def __init__(self, storage: Storage, template: StepDirTemplate, attempt: int) -> None:
+    def __init__(self, storage: Storage, template: StepDirTemplate, attempt: int,
+                 fence_is_final: Callable[[], bool] = lambda: True) -> None:
         self.storage = storage
         self.template = template
         self.attempt = attempt
+        # Whether a newer attempt that fenced this one out stays (the monitor's FenceWatch): a
+        # losing start_monitor's attempt is taken back within seconds, and a publish being
+        # settled then goes on.
+        self.fence_is_final = fence_is_final
 
     # -- manifests -----------------------------------------------------------------------------
 
@@ -301,7 +323,10 @@ class Committer(StepChecks):
         removal) this keeps trying, however long that takes: a failure reported with the
         manifest still visible would commit the step for every reader, and for a restarted
         monitor, after its callers heard it failed. A newer attempt on the root ends it before a
-        removal (FencedError): the root is that job's now, and what this one left is its to judge."""
+        removal: the root is that job's now, and what this one left is its to judge
+        (:class:`UndecidedPublish`). A newer attempt that may still be taken back (a losing
+        ``start_monitor``'s, see ``fence_is_final``) only pauses it: reporting an outcome then
+        would be a guess that a restart of this monitor could contradict."""
         tries = 0
         while True:
             try:
@@ -331,8 +356,14 @@ class Committer(StepChecks):
                 else:
                     self.storage.write_atomic(path, previous)
                 return False
-            except FencedError:
-                raise
+            except FencedError as e:
+                if self.fence_is_final():
+                    raise UndecidedPublish(e.mine, e.newer, e.run, path) from e
+                tries += 1
+                delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_FENCED_S)
+                log.warning("%s may be visible but not durable, and a newer attempt on the root (%s) keeps it from "
+                            "being removed: trying again in %.1f s, unless that attempt stays", path, e, delay)
+                time.sleep(delay)
             except Exception as e:
                 tries += 1
                 delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_MAX_BACKOFF_S)

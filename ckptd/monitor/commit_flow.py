@@ -16,7 +16,7 @@ from ckptd import failpoints, phases, protocol
 from ckptd.config import Kind
 from ckptd.fencing import FencedError
 from ckptd.metrics import COMMIT_LATENCY, FAILED_COMMITS, FAILED_STEPS, RETRIED_REQUESTS
-from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred
+from ckptd.monitor.commit import CommitCheckError, CommitPlan, Deferred, UndecidedPublish
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
@@ -225,10 +225,14 @@ class CommitFlow:
                 self._fenced_by(e)
             tries = "" if isinstance(e, _NOT_RETRIED) else f" after {self._opts.commit_retries + 1} attempts"
             reason = f"commit failed{tries}: {type(e).__name__}: {e}"
+            # Manifests are published in the plan's order: an undecided one is the first not published.
+            undecided = next(k for k in kinds if k not in plan.published) if isinstance(e, UndecidedPublish) else None
             for kind in kinds:
-                if kind not in plan.published:
+                if kind not in plan.published and kind is not undecided:
                     self._ledger.fail_kind(rec, kind, reason, force=True)
                     self._metrics.inc(FAILED_COMMITS, kind=kind)
+            if undecided is not None:
+                self._leave_undecided(rec, undecided, e)
             if plan.published:
                 # The state dict's manifest went out before the checkpoint's failed: it is on
                 # storage, readers may have taken it, and it verifies. It is committed; only the
@@ -242,6 +246,26 @@ class CommitFlow:
                 await self._revoke_state_dict(rec, reason)
             return
         await self._committed(rec, kinds, plan, times, t0)
+
+    def _leave_undecided(self, rec: StepRecord, kind: Kind, e: UndecidedPublish) -> None:
+        """The manifest of ``kind`` may be visible, and a newer job owns the root for good: its
+        start-up decides whether the step is committed (it keeps a manifest whose files verify).
+        Failed here, so that nothing more is admitted into it, but with no failure record (that
+        would hide a step the new job may count) and answered as undecided, never as failed:
+        invariant 2, a step reported failed is never committed."""
+        key = (rec.step, kind)
+        self._ledger.fail_kind(rec, kind, (
+            f"undecided: its manifest {e.path} may be on storage, but storage refused both the sync and the removal "
+            f"that would settle its publish, and attempt {e.newer} of the root (run {e.run!r}) took the root over "
+            f"meanwhile. That job decides: its start-up keeps the step if its files verify, so ask it "
+            f"(ckptd.latest_step, or its monitor)"), force=True)
+        self._metrics.inc(FAILED_COMMITS, kind=kind)
+        self._undecided.add(key)
+        self._failures_recorded.add(key)  # nothing to record, and may be answered at once
+        self._failures_durable.add(key)
+        log.error("step %d (%s) %s", rec.step, kind.value, rec[kind].reason)
+        self._slots.abort_prefix(f"{rec.step}/{kind.value}/", rec[kind].reason)
+        self._wake(rec.step, kind)
 
     async def _committed(self, rec: StepRecord, kinds: list[Kind], plan: CommitPlan, times: dict[str, float],
                          t0: float) -> None:
@@ -260,6 +284,7 @@ class CommitFlow:
         except Exception as e:
             if isinstance(e, FencedError):
                 self._fenced_by(e)
+                self._trackers_unrepaired = True  # moved forward if the fence is lifted
             for kind in kinds:
                 rec[kind].reason = f"committed, but the tracker could not be advanced: {type(e).__name__}: {e}"
             log.error("step %d: %s", rec.step, rec[kinds[0]].reason)

@@ -21,7 +21,9 @@ class Waits:
         Returns ``{"committed": bool, "unit": str | None, "cause": str | None}``; ``committed``
         is False with ``cause`` None when the wait timed out, and with ``"unknown": True`` when
         the step is older than the newest commit and nothing of it is known (retention deleted
-        it before this monitor started, or it was never saved).
+        it before this monitor started, or it was never saved), and with ``"undecided": True``
+        when a newer job took the root over while its manifest's publish could not be settled
+        (that job decides whether it is committed).
         """
         k = Kind(kind)
         newest = self._trackers[k]
@@ -43,6 +45,8 @@ class Waits:
             except asyncio.TimeoutError:
                 return {"committed": False, "unit": None, "cause": None, "detail": self._where_it_stands(step, k)}
         failure = self._ledger.failure_of(step, k)
+        if failure is not None and (step, k) in self._undecided:  # a newer job decides (CommitFlow)
+            return {"committed": False, "unit": None, "cause": failure[1], "undecided": True}
         if failure is not None:
             return {"committed": False, "unit": failure[0], "cause": failure[1]}
         return {"committed": True, "unit": None, "cause": None}

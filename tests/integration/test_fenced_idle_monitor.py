@@ -368,37 +368,6 @@ def test_a_mirror_write_retried_past_a_newer_jobs_start_does_not_publish(make_mo
     coord.close()
 
 
-def test_a_publish_being_settled_when_a_newer_job_starts_is_left_to_it(make_monitor, tmp_path):
-    """Step 2's manifest is visible after its publish raised, and storage refuses both syncing and
-    removing it while the commit keeps trying. A newer job starts on the root meanwhile: the old
-    monitor must not remove anything from the root now (the path may hold the newer job's
-    manifest of its step 2 by then); it stops, fenced, and leaves the manifest to the newer job."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root, commit_retries=0)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "model.bin", is_state_dict=False)
-    sync_ok, rm_ok = str(tmp_path / "sync-ok"), str(tmp_path / "rm-ok")
-    arm_in_monitor(monitor, "after_publish", "raise")
-    arm_in_monitor(monitor, "settle_sync", f"raise_until:{sync_ok}")
-    arm_in_monitor(monitor, "settle_remove", f"raise_until:{rm_ok}")
-    try:
-        coord.register(2, checkpoint_thread_count=1)
-        path = f"{coord.step_dir(2)}/model.bin"
-        coord.save_async("model", lambda: write_file(path, os.urandom(64)), 2)
-        wait_for(lambda: read_manifest(root, 2, CKPT) is not None, DEADLINE_S, "step 2's manifest renamed into place")
-        newer = open_attempt(Storage(root), "the-next-job", None)
-        open(rm_ok, "w").close()  # storage would remove it now: the fence stops the old monitor first
-        with pytest.raises(ckptd.CheckpointSaveError, match=f"superseded by attempt {newer.attempt}"):
-            coord.wait_committed(2, timeout_s=DEADLINE_S)
-        assert read_manifest(root, 2, CKPT) is not None and tracker_of(root, CKPT) == 1
-    finally:
-        open(sync_ok, "w").close()
-        open(rm_ok, "w").close()
-        for name in ("after_publish", "settle_sync", "settle_remove"):
-            arm_in_monitor(monitor, name, None)
-    coord.close()
-
-
 def test_a_monitor_restarted_while_a_losing_attempt_is_on_the_root_is_not_fenced_for_good(make_monitor, tmp_path):
     """The monitor's process dies and Ray restarts it while a losing ``start_monitor``'s attempt
     is on the root: the restarted monitor finds itself fenced. Its first start did the start-up's

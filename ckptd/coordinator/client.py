@@ -13,12 +13,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from ckptd.coordinator.notifier import Notifier
 from ckptd.errors import CheckpointError, CheckpointTimeoutError
+from ckptd.fencing import AttemptRecord, newer_attempts
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import actor_name, describe_attempt
+from ckptd.storage import Storage
 
 if TYPE_CHECKING:
     from ckptd.coordinator.relay import RelayRoute
@@ -55,6 +57,11 @@ def _within(timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any)
     if not ok:
         raise value
     return value
+
+
+def _last_line(e: BaseException) -> str:
+    """The last line of an error's text: where Ray's actor errors say why the actor died."""
+    return next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "")
 
 
 def _process_exists(pid: int) -> bool:
@@ -122,6 +129,7 @@ class MonitorClient:
         self._namespace: str | None = None
         self._attempt: str | None = None
         self._attempt_label: str | None = None
+        self._root: tuple[Storage, int] | None = None  # watch_root
         self._lock = threading.Lock()
         self._notifier: Notifier | None = None
         self._relay: RelayRoute | None = None
@@ -171,8 +179,7 @@ class MonitorClient:
             except GetTimeoutError:
                 raise self._unanswered(method, waits_s) from None
             except RayActorError as e:
-                if e.actor_init_failed:
-                    raise self._died_starting(e) from e
+                self._raise_if_gone_for_good(e)
                 if answer_by is None and not retried:
                     # An unbounded wait that outlived its monitor: the retries (and the lookup of a
                     # monitor started again, see _reattach) get the timeout from now.
@@ -208,20 +215,28 @@ class MonitorClient:
                 if unanswered >= 2:
                     raise self._unanswered(method, None)
 
-    def _restarting(self) -> bool:
-        """Whether Ray is restarting the monitor's actor (the GCS says so, or says it is alive in
-        a process on this node that no longer exists), which a ping that goes unanswered cannot
-        tell from a stopped process. A private Ray API (``ray._private.state``, as in
-        ``drain_watch``): where it fails, False."""
+    def _actor_info(self) -> dict | None:
+        """What the GCS says of the monitor's actor, or None where it cannot say. A private Ray
+        API (``ray._private.state``, as in ``drain_watch``)."""
         try:
             from ray._private import state
 
             # Bounded: a GCS that does not answer (stopped, failing over) must not hold the wait.
             info = _within(self._timeout_s, state.actors, actor_id=self._handle._actor_id.hex())
+        except Exception:
+            return None
+        return info if isinstance(info, dict) else None
+
+    def _restarting(self) -> bool:
+        """Whether Ray is restarting the monitor's actor (the GCS says so, or says it is alive in
+        a process on this node that no longer exists), which a ping that goes unanswered cannot
+        tell from a stopped process. Where the GCS cannot say, False."""
+        info = self._actor_info()
+        if info is None:
+            return False
+        try:
             here = ray.get_runtime_context().get_node_id()
         except Exception:
-            return False
-        if not isinstance(info, dict):
             return False
         if info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY"):
             return True
@@ -243,8 +258,7 @@ class MonitorClient:
             except asyncio.TimeoutError:
                 raise self._unanswered(method, 0.0) from None
             except RayActorError as e:
-                if e.actor_init_failed:
-                    raise self._died_starting(e) from e
+                self._raise_if_gone_for_good(e)
                 if time.monotonic() > deadline:
                     raise
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
@@ -252,11 +266,48 @@ class MonitorClient:
                 delay = min(delay * 2, 5.0)
                 self._reattach()
 
+    def _raise_if_gone_for_good(self, e: RayActorError) -> None:
+        """Raise a :class:`CheckpointError` at once where the monitor's actor will never answer
+        again, instead of retrying until the deadline: it died in its start-up, or it is dead
+        (Ray does not restart it) and a newer attempt has opened on its root (a newer job's
+        ``start_monitor(takeover=True)`` kills the old monitor so). A monitor killed with no newer
+        attempt is waited for: a new job may start under the run's name, and :meth:`_reattach`
+        then says so."""
+        if e.actor_init_failed:
+            raise self._died_starting(e) from e
+        if not isinstance(e, ActorDiedError) or self._root is None:
+            return
+        info = self._actor_info()
+        if info is None or info.get("State") != "DEAD":
+            return  # being restarted, or the GCS cannot say: retried
+        dead = self._handle
+        self._reattach()  # a new job's monitor under the run's name raises its own error
+        newer = self._newer_attempt()
+        if self._handle is not dead or newer is None:
+            return  # no newer job on the root: one may yet start under this run's name, and is waited for
+        raise CheckpointError(
+            f"the checkpoint monitor of run {self._run!r} ({self._attempt_label}) is dead and Ray does not "
+            f"restart it ({_last_line(e)}), and attempt {newer.attempt} of the root (run {newer.run!r}) has opened "
+            "since: a newer job took the root over, as start_monitor(takeover=True) does. This coordinator's saves "
+            "cannot count there, and the steps its monitor had not committed are that job's to keep or not. "
+            "Create a new CheckpointCoordinator for the new job's monitor") from e
+
+    def _newer_attempt(self) -> AttemptRecord | None:
+        """The newest attempt opened on the root after this client's, or None (none, or storage
+        could not say)."""
+        storage, attempt = self._root
+        try:
+            newer = newer_attempts(storage, attempt)
+        except Exception as e:  # unreachable storage: the retries go on until the deadline
+            log.debug("could not look for a newer attempt on the root: %s: %s", type(e).__name__, e)
+            return None
+        return newer[-1] if newer else None
+
     def _died_starting(self, e: RayActorError) -> CheckpointError:
         """The monitor's actor raised in its start-up (Ray restarted it after a crash, and its
         rebuild from storage failed: a damaged .ckptd/layout.json, say): it stays dead, so waiting for it
         until the timeout would only delay the error."""
-        said = next((line.strip() for line in reversed(str(e).splitlines()) if line.strip()), "")
+        said = _last_line(e)
         return CheckpointError(
             f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} died in its start-up "
             f"(restarted after a crash, it could not rebuild its state): {said}. Ray does not restart it again: "
@@ -271,6 +322,11 @@ class MonitorClient:
             f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} did not answer {what}: "
             "it is alive but not answering (stopped, stuck, or still restarting). The call may still take effect "
             "when it resumes; raise the coordinator's notify_timeout_s if it is only slow.")
+
+    def watch_root(self, storage: Storage, attempt: int) -> None:
+        """The root (and this client's attempt number) that the monitor publishes into: where the
+        monitor is dead for good, a newer attempt there ends the retries at once."""
+        self._root = (storage, attempt)
 
     def use_relay(self, node_id: str, zones: int = 0) -> None:
         """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``,

@@ -116,6 +116,7 @@ class CheckpointCoordinator(TrainerCalls, StagedSaves):
                           f"attempt {self._attempt} of root {cfg['root']!r}")
         self._root_url = cfg["root"]
         self._storage = Storage(cfg["root"], cfg["storage_options"], cfg["options"].get("direct_io", "auto"))
+        self._client.watch_root(self._storage, self._attempt)
         self._template = StepDirTemplate(cfg["step_dir_template"])
         ctx = ray.get_runtime_context()
         self._worker = check_name(worker_id or protocol.default_worker_id(ctx.get_node_id(), ctx.get_actor_id()),

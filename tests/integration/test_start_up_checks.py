@@ -173,3 +173,33 @@ def test_a_state_dict_an_older_attempt_withdraws_stays_out_of_reach_while_the_ne
     with pytest.raises(ckptd.CheckpointError):
         coord.wait_all()
     assert tracker_of(root, SD) == 1 and os.path.exists(f"{root}/global_step_1/weights.bin")
+
+
+@pytest.mark.parametrize("in_flight", ["a registration", "a held commit"])
+def test_the_old_jobs_wait_ends_with_a_checkpoint_error_once_a_takeover_killed_its_monitor(
+        make_monitor, tmp_path, in_flight):
+    """A newer job's ``start_monitor(takeover=True)`` kills the old job's monitor for good. The
+    old job's ``wait_committed`` used to retry a dead actor until notify_timeout_s plus its own
+    timeout, then raise Ray's bare ActorDiedError (helper-68's B3): it is now told at once, by
+    a CheckpointError that says the monitor is gone and what to do."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=20.0)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    gate = str(tmp_path / "gate")
+    if in_flight == "a held commit":
+        arm_in_monitor(monitor, "before_manifest", f"until:{DEADLINE_S:g}:{gate}")
+        save_one(coord, 2, "model.bin", False)
+        wait_for(lambda: held_at(monitor, "before_manifest"), DEADLINE_S, "step 2's commit held")
+    else:
+        coord.register(2, checkpoint_thread_count=1)
+    try:
+        make_monitor(root, run="the-next-job", takeover=True)
+        told = in_thread(lambda: coord.wait_committed(2, timeout_s=10), DEADLINE_S)
+    finally:
+        open(gate, "w").close()
+    assert told[0] == "raised" and type(told[1]) is ckptd.CheckpointError, told
+    said = str(told[1])
+    assert "is dead and Ray does not restart it" in said and "attempt 2 of the root (run 'the-next-job')" in said, said
+    assert ckptd.latest_step(root) == 1
+    coord.close()

@@ -254,11 +254,14 @@ class CommitFlow:
         would hide a step the new job may count) and answered as undecided, never as failed:
         invariant 2, a step reported failed is never committed."""
         key = (rec.step, kind)
+        if kind is SD:  # its full checkpoint, not committing now, could only commit in this monitor
+            self._ledger.fail_kind(rec, CKPT, f"not committed: attempt {e.newer} of the root (run {e.run!r}) took "
+                                   "the root over while the step's state dict was being committed")
         self._ledger.fail_kind(rec, kind, (
-            f"undecided: its manifest {e.path} may be on storage, but storage refused both the sync and the removal "
-            f"that would settle its publish, and attempt {e.newer} of the root (run {e.run!r}) took the root over "
-            f"meanwhile. That job decides: its start-up keeps the step if its files verify, so ask it "
-            f"(ckptd.latest_step, or its monitor)"), force=True)
+            f"step {rec.step}'s {kind.value.replace('_', ' ')} commit is undecided: its manifest {e.path} may be on "
+            f"storage, but storage refused both the sync and the removal that would settle its publish, and attempt "
+            f"{e.newer} of the root (run {e.run!r}) took the root over meanwhile. That job decides: its start-up keeps "
+            f"the step if its files verify, so ask it (ckptd.latest_step, or its monitor)"), force=True)
         self._metrics.inc(FAILED_COMMITS, kind=kind)
         self._undecided.add(key)
         self._failures_recorded.add(key)  # nothing to record, and may be answered at once

@@ -67,6 +67,8 @@ def test_a_publish_a_newer_job_took_over_while_it_was_settled_is_left_to_that_jo
     commit_one(coord, 1, "model.bin", is_state_dict=is_sd)
     sync_ok, rm_ok = _unsettled_publish(monitor, tmp_path)
     try:
+        if is_sd:  # a full checkpoint of the step too, that no unit has saved yet: it cannot commit any more
+            coord.register(2, checkpoint_thread_count=1)
         save_one(coord, 2, "model.bin", is_sd)
         wait_for(lambda: read_manifest(root, 2, kind) is not None, DEADLINE_S, "step 2's manifest renamed into place")
         newer = open_attempt(Storage(root), "the-next-job", None)
@@ -75,12 +77,16 @@ def test_a_publish_a_newer_job_took_over_while_it_was_settled_is_left_to_that_jo
             coord.wait_committed(2, is_state_dict=is_sd, timeout_s=DEADLINE_S)
         assert not isinstance(told.value, ckptd.CheckpointSaveError), "told failed: the new job may commit it"
         assert read_manifest(root, 2, kind) is not None and tracker_of(root, kind) == 1
+        if is_sd:
+            with pytest.raises(ckptd.CheckpointSaveError, match="took the root over while the step's state dict"):
+                coord.wait_committed(2, timeout_s=DEADLINE_S)
     finally:
         _storage_recovers(monitor, sync_ok, rm_ok)
     coord.close()
     make_monitor(root, run="the-next-job")  # its start-up decides: the step's files verify
     assert ckptd.latest_step(root, kind.value) == 2 and tracker_of(root, kind) == 2
     assert ckptd.verify(root, 2, kind=kind.value).step == 2
+    assert read_manifest(root, 2, CKPT if is_sd else SD) is None  # the kind the old job was told failed
 
 
 @pytest.mark.parametrize("storage_recovers_with", ["the removal", "the sync"])

@@ -57,6 +57,8 @@ class TrainerCalls:
             CheckpointConfigError: bad step or counts (at once, also with ``wait=False``).
             RegistrationConflictError: it adds units to a step already committed as a checkpoint.
             CheckpointSaveError: the step already failed.
+            CheckpointError: a newer job took the root over while the step's commit was being
+                settled (that job decides whether it is committed).
         """
         args = self._registration(global_step, is_state_dict, state_dict_thread_count, checkpoint_thread_count)
         if not wait:
@@ -173,4 +175,6 @@ def _raise_for(result: dict) -> None:
         raise CheckpointSaveError(err["step"], err["kind"], err["unit"], err["cause"])
     if err["type"] == "RegistrationConflictError":
         raise RegistrationConflictError(err["message"])
+    if err["type"] == "CheckpointError":  # a step whose outcome a newer job decides
+        raise CheckpointError(err["message"])
     raise CheckpointConfigError(err["message"])

@@ -274,6 +274,9 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         await self.durable(reg.step)
         kinds = self._ledger.kinds_concerned(reg) if kinds is None else kinds
         for kind in sorted(kinds, key=lambda k: k is not reg.monitored):
+            undecided = self._undecided_cause(reg.step, kind)
+            if undecided is not None:  # never "failed": a newer job may commit it
+                return {"error": {"type": "CheckpointError", "message": undecided}}
             failure = self._ledger.failure_of(reg.step, kind)
             if failure is not None:
                 unit, cause = failure

@@ -269,6 +269,21 @@ class CommitFlow:
         log.error("step %d (%s) %s", rec.step, kind.value, rec[kind].reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", rec[kind].reason)
         self._wake(rec.step, kind)
+        if kind is CKPT:
+            self._wake(rec.step, SD)  # which that checkpoint would commit for readers: undecided too
+
+    def _undecided_cause(self, step: int, kind: Kind) -> str | None:
+        """Why the outcome of ``kind`` of ``step`` is a newer job's to decide, or None: its own
+        publish was left undecided, or, for a state dict not committed, its step's full
+        checkpoint's was (a full checkpoint commits its step's state dict for readers). Every
+        answer about such a kind says so instead of "failed" (:meth:`_leave_undecided`)."""
+        key = (step, kind)
+        if key not in self._undecided:
+            key = (step, CKPT)
+            if kind is not SD or key not in self._undecided or self._ledger.state_of(step, SD) is StepState.COMMITTED:
+                return None
+        failure = self._ledger.failure_of(*key)
+        return failure[1] if failure is not None else f"step {step}'s commit is undecided: a newer job decides"
 
     async def _committed(self, rec: StepRecord, kinds: list[Kind], plan: CommitPlan, times: dict[str, float],
                          t0: float) -> None:

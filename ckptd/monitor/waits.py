@@ -34,6 +34,8 @@ class Waits:
                              f"than the newest committed step ({newest}); retention deleted it or it was never saved"}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._settled(step, k):
+            if self._undecided_cause(step, k) is not None:
+                break  # answered below
             fenced = self._final_fence()
             if fenced is not None and not self._could_settle(step, k):
                 # Nothing known of the step can settle the kind, and this monitor will accept
@@ -44,9 +46,10 @@ class Waits:
                 await asyncio.wait_for(self._event(step, k).wait(), left)
             except asyncio.TimeoutError:
                 return {"committed": False, "unit": None, "cause": None, "detail": self._where_it_stands(step, k)}
+        undecided = self._undecided_cause(step, k)
+        if undecided is not None:  # a newer job decides (CommitFlow)
+            return {"committed": False, "unit": None, "cause": undecided, "undecided": True}
         failure = self._ledger.failure_of(step, k)
-        if failure is not None and (step, k) in self._undecided:  # a newer job decides (CommitFlow)
-            return {"committed": False, "unit": None, "cause": failure[1], "undecided": True}
         if failure is not None:
             return {"committed": False, "unit": failure[0], "cause": failure[1]}
         return {"committed": True, "unit": None, "cause": None}

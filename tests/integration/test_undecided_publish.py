@@ -142,3 +142,66 @@ def test_a_publish_settled_under_a_losing_starts_attempt_waits_until_it_is_taken
             coord.wait_committed(2, is_state_dict=is_sd, timeout_s=DEADLINE_S)
     assert ckptd.latest_step(root, kind.value) == want and tracker_of(root, kind) == want
     coord.close()
+
+
+def _told_undecided(call) -> None:
+    """``call`` raises a CheckpointError saying the step is undecided, and not a save failure."""
+    with pytest.raises(ckptd.CheckpointError, match="undecided") as told:
+        call()
+    assert not isinstance(told.value, ckptd.CheckpointSaveError), f"told failed: {told.value}"
+
+
+def _checkpoint_2_left_undecided(coord, monitor, root: str, tmp_path, newer_run: str):
+    """Step 2's checkpoint manifest is visible, its publish unsettled, when an attempt of
+    ``newer_run`` opens on the root; returns once the old job was told it is undecided (the
+    attempt's fence is final), with storage working again. The attempt."""
+    sync_ok, rm_ok = _unsettled_publish(monitor, tmp_path)
+    try:
+        save_one(coord, 2, "model.bin", False)
+        wait_for(lambda: read_manifest(root, 2, CKPT) is not None, DEADLINE_S, "step 2's manifest renamed into place")
+        newer = open_attempt(Storage(root), newer_run, None)
+        open(rm_ok, "w").close()
+        _told_undecided(lambda: coord.wait_committed(2, timeout_s=DEADLINE_S))
+    finally:
+        _storage_recovers(monitor, sync_ok, rm_ok)
+    return newer
+
+
+def test_every_answer_about_an_undecided_step_says_undecided(make_monitor, tmp_path):
+    """A wait on the state dict of the step (which its full checkpoint commits for readers), a
+    registration into it, blocking or queued: each is answered "undecided", never "failed"; the
+    new job then commits the step, both kinds for readers. Found by helper-69's attack: these
+    still said CheckpointSaveError."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    _checkpoint_2_left_undecided(coord, monitor, root, tmp_path, "the-next-job")
+    _told_undecided(lambda: coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S))
+    _told_undecided(lambda: coord.register(2, checkpoint_thread_count=1))
+    coord.register(2, checkpoint_thread_count=1, wait=False)
+    _told_undecided(coord.wait_all)
+    coord.close()
+    make_monitor(root, run="the-next-job")
+    assert ckptd.latest_step(root) == 2 and ckptd.latest_step(root, "state_dict") == 2
+    assert ckptd.verify(root, 2).step == 2
+
+
+def test_a_step_left_undecided_under_a_losers_final_fence_commits_after_a_restart_and_was_never_told_failed(
+        make_monitor, tmp_path):
+    """A losing start's attempt stays until the fence is final (the old job is told step 2 is
+    undecided), then is taken back; the job's monitor restarts, is the newest attempt again, and
+    commits the visible step 2. Nothing before that told the job step 2 failed (helper-69)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, commit_retries=0)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    loser = _checkpoint_2_left_undecided(coord, monitor, root, tmp_path, "a-losing-start")
+    _take_back(Storage(root), loser.attempt)
+    _told_undecided(lambda: coord.register(2, checkpoint_thread_count=1))
+    _told_undecided(lambda: coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S))
+    restart_monitor(monitor, how="sigkill")
+    coord.wait_committed(2, timeout_s=DEADLINE_S)
+    coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert tracker_of(root, CKPT) == 2 and ckptd.verify(root, 2).step == 2
+    coord.close()

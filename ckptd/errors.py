@@ -37,7 +37,9 @@ class CheckpointSaveError(CheckpointError, RuntimeError):
     """A save unit failed: its data is in no manifest. Its step (of that kind) then fails too and
     is never committed, unless the unit was not part of a commit already in flight (it failed,
     or timed out, before it was admitted); such a commit goes on without it (docs/contract.md),
-    and ``cause`` then ends with the monitor's words for it. ``wait_committed`` says how the step
+    and ``cause`` then ends with the monitor's words for it. A unit refused because its step's
+    commit is undecided (``cause`` says so: a newer job took the root over) fails alone: that
+    job decides whether the step is committed. ``wait_committed`` says how the step
     ends.
 
     Args:

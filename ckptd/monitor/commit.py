@@ -60,8 +60,9 @@ class Deferred(Exception):
 class UndecidedPublish(FencedError):
     """A publish raised, storage refused both the sync and the removal that would have settled
     it, and a newer attempt now owns the root for good: ``path`` may be visible, so whether what
-    it publishes is committed is for that attempt's job to decide (its start-up keeps a manifest
-    whose files verify). The monitor must not report it failed, nor committed."""
+    it publishes is committed is for that attempt's job to decide (its start-up keeps a visible
+    checkpoint manifest, and a state dict's whose files are unchanged). The monitor must not
+    report it failed, nor committed."""
 
     def __init__(self, mine: int, newer: int, run: str, path: str) -> None:
         super().__init__(mine, newer, run)

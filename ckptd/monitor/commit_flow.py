@@ -249,7 +249,8 @@ class CommitFlow:
 
     def _leave_undecided(self, rec: StepRecord, kind: Kind, e: UndecidedPublish) -> None:
         """The manifest of ``kind`` may be visible, and a newer job owns the root for good: its
-        start-up decides whether the step is committed (it keeps a manifest whose files verify).
+        start-up decides whether the step is committed (it keeps a visible checkpoint manifest,
+        and a state dict's whose files are unchanged).
         Failed here, so that nothing more is admitted into it, but with no failure record (that
         would hide a step the new job may count) and answered as undecided, never as failed:
         invariant 2, a step reported failed is never committed."""
@@ -261,7 +262,8 @@ class CommitFlow:
             f"step {rec.step}'s {kind.value.replace('_', ' ')} commit is undecided: its manifest {e.path} may be on "
             f"storage, but storage refused both the sync and the removal that would settle its publish, and attempt "
             f"{e.newer} of the root (run {e.run!r}) took the root over meanwhile. That job decides: its start-up keeps "
-            f"the step if its files verify, so ask it (ckptd.latest_step, or its monitor)"), force=True)
+            f"the manifest (a state dict's if its files are unchanged), so ask it (ckptd.latest_step, or its monitor)"),
+            force=True)
         self._metrics.inc(FAILED_COMMITS, kind=kind)
         self._undecided.add(key)
         self._failures_recorded.add(key)  # nothing to record, and may be answered at once

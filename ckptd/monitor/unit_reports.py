@@ -127,7 +127,9 @@ class UnitReports:
             # where it is gone. Then look again (the write let others run).
             deleted = False
             restored = await self._restore_receipt(uid) or restored
-        why = self._why_fenced() or self._why_foreign(uid.step)
+        # A step whose outcome a newer job decides is named so, not as fenced: its unit is refused,
+        # and the step must not read as failed (it may be committed).
+        why = self._undecided_cause(uid.step, uid.kind) or self._why_fenced() or self._why_foreign(uid.step)
         if why is None:
             why = self._ledger.admit(uid, time.time())
             if why is not None:

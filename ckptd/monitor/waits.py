@@ -106,6 +106,9 @@ class Waits:
         def failure(k: Kind) -> str:
             return f"not mirrored: step {step} failed: {self._ledger.failure_of(step, k)[1]}"
 
+        undecided = next((cause for k in kinds if (cause := self._undecided_cause(step, k)) is not None), None)
+        if undecided is not None:  # never "failed": the newer job may commit it, and its monitor mirror it
+            return f"not mirrored by this monitor: {undecided}"
         if all(failed(k) for k in kinds):
             return failure(kinds[0])
         if step in self._arriving:

@@ -2,7 +2,8 @@
 settle it, when a newer attempt appears on the root. Invariant 2 (a step reported failed is
 never committed) must hold on both sides:
 
-* a newer job that stays owns the root, and its start-up keeps a manifest whose files verify:
+* a newer job that stays owns the root, and its start-up keeps the manifest (a state dict's
+  only if its files are unchanged):
   the old job is told the outcome is that job's to decide, never that the step failed;
 * a losing ``start_monitor``'s attempt, taken back within seconds, only pauses the settle: the
   job is told what storage then holds, and a Ray restart of its monitor agrees.
@@ -29,6 +30,7 @@ from .helpers import (
     save_one,
     tracker_of,
     wait_for,
+    write_file,
 )
 from .test_fenced_idle_monitor import _looks_held, _take_back
 
@@ -60,7 +62,7 @@ def _storage_recovers(monitor, *paths: str) -> None:
 def test_a_publish_a_newer_job_took_over_while_it_was_settled_is_left_to_that_job(make_monitor, tmp_path, kind):
     """The old job is told step 2 is undecided (a CheckpointError that is not a save failure,
     naming the newer attempt); the old monitor removes nothing from the root; the new job's
-    start-up keeps the step, whose files verify, and its trackers name it."""
+    start-up keeps the step, whose files are unchanged, and its trackers name it."""
     root, is_sd = str(tmp_path / "ckpt"), kind is SD
     monitor = make_monitor(root, commit_retries=0)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -83,7 +85,7 @@ def test_a_publish_a_newer_job_took_over_while_it_was_settled_is_left_to_that_jo
     finally:
         _storage_recovers(monitor, sync_ok, rm_ok)
     coord.close()
-    make_monitor(root, run="the-next-job")  # its start-up decides: the step's files verify
+    make_monitor(root, run="the-next-job")  # its start-up decides: the step's files are unchanged
     assert ckptd.latest_step(root, kind.value) == 2 and tracker_of(root, kind) == 2
     assert ckptd.verify(root, 2, kind=kind.value).step == 2
     assert read_manifest(root, 2, CKPT if is_sd else SD) is None  # the kind the old job was told failed
@@ -181,10 +183,29 @@ def test_every_answer_about_an_undecided_step_says_undecided(make_monitor, tmp_p
     _told_undecided(lambda: coord.register(2, checkpoint_thread_count=1))
     coord.register(2, checkpoint_thread_count=1, wait=False)
     _told_undecided(coord.wait_all)
+    # A save into it is refused (its unit fails alone), saying why: not "superseded", as if it had failed.
+    with pytest.raises(ckptd.CheckpointSaveError, match="not saved: step 2's checkpoint commit is undecided"):
+        coord.save_sync(lambda: write_file(f"{coord.step_dir(2)}/late.bin", b"late"), 2)
     coord.close()
     make_monitor(root, run="the-next-job")
     assert ckptd.latest_step(root) == 2 and ckptd.latest_step(root, "state_dict") == 2
     assert ckptd.verify(root, 2).step == 2
+
+
+def test_wait_mirrored_on_an_undecided_step_says_undecided(make_monitor, tmp_path):
+    """It said "not mirrored: step 2 failed", and the new job then committed step 2 (helper-70)."""
+    root, mirror = str(tmp_path / "ckpt"), str(tmp_path / "mirror")
+    monitor = make_monitor(root, commit_retries=0, mirror=mirror)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    _checkpoint_2_left_undecided(coord, monitor, root, tmp_path, "the-next-job")
+    with pytest.raises(ckptd.CheckpointError, match="not mirrored by this monitor: step 2's checkpoint commit is "
+                                                    "undecided") as told:
+        coord.wait_mirrored(2, timeout_s=DEADLINE_S)
+    assert "failed" not in str(told.value), told.value
+    coord.close()
+    make_monitor(root, run="the-next-job", mirror=mirror)
+    assert ckptd.latest_step(root) == 2
 
 
 def test_a_step_left_undecided_under_a_losers_final_fence_commits_after_a_restart_and_was_never_told_failed(

@@ -107,7 +107,9 @@ class Waits:
             return f"not mirrored: step {step} failed: {self._ledger.failure_of(step, k)[1]}"
 
         undecided = next((cause for k in kinds if (cause := self._undecided_cause(step, k)) is not None), None)
-        if undecided is not None:  # never "failed": the newer job may commit it, and its monitor mirror it
+        if undecided is not None and not any(self._settled(step, k) and not failed(k) for k in kinds):
+            # Never "failed": the newer job may commit it, and its monitor mirror it. (A mirrored
+            # state dict that committed is uploaded all the same: its upload ends the wait.)
             return f"not mirrored by this monitor: {undecided}"
         if all(failed(k) for k in kinds):
             return failure(kinds[0])

@@ -360,14 +360,12 @@ class Committer(StepChecks):
             except FencedError as e:
                 if self.fence_is_final():
                     raise UndecidedPublish(e.mine, e.newer, e.run, path) from e
-                tries += 1
-                delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_FENCED_S)
-                log.warning("%s may be visible but not durable, and a newer attempt on the root (%s) keeps it from "
-                            "being removed: trying again in %.1f s, unless that attempt stays", path, e, delay)
-                time.sleep(delay)
+                # A newer attempt that may yet be taken back: looked at again soon.
+                level, longest, why = logging.WARNING, _SETTLE_FENCED_S, f"a newer attempt on the root keeps it ({e})"
             except Exception as e:
-                tries += 1
-                delay = min(_SETTLE_BACKOFF_S * 2 ** tries, _SETTLE_MAX_BACKOFF_S)
-                log.error("%s may be visible but not durable, and could not be removed (%s: %s): trying again in "
-                          "%.1f s (try %d)", path, type(e).__name__, e, delay, tries)
-                time.sleep(delay)
+                level, longest, why = logging.ERROR, _SETTLE_MAX_BACKOFF_S, f"{type(e).__name__}: {e}"
+            tries += 1
+            delay = min(_SETTLE_BACKOFF_S * 2 ** tries, longest)
+            log.log(level, "%s may be visible but not durable, and could not be removed (%s): trying again in %.1f s "
+                    "(try %d)", path, why, delay, tries)
+            time.sleep(delay)

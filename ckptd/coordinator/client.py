@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
@@ -109,6 +109,17 @@ def require_ray() -> None:
             "Ray is not running in this process (ray.shutdown() was called while a save or a registration was "
             "in flight), so the checkpoint monitor cannot be reached and the save does not count: call "
             "coord.wait_all() or coord.close() before ray.shutdown()")
+
+
+class WatchedRoot(NamedTuple):
+    """A root to look for newer attempts on (:meth:`MonitorClient.watch_root`), picklable."""
+
+    url: str
+    storage_options: dict
+    attempt: int
+
+    def storage(self) -> Storage:
+        return Storage(self.url, self.storage_options)
 
 
 class MonitorClient:
@@ -328,6 +339,14 @@ class MonitorClient:
         monitor is dead for good, a newer attempt there ends the retries at once."""
         self._root = (storage, attempt)
 
+    @property
+    def watched_root(self) -> WatchedRoot | None:
+        """What :meth:`watch_root` was given, in a form another process (a relay) can watch."""
+        if self._root is None:
+            return None
+        storage, attempt = self._root
+        return WatchedRoot(storage.url, storage.storage_options, attempt)
+
     def use_relay(self, node_id: str, zones: int = 0) -> None:
         """Send notifications through the node's relay actor (``start_monitor(node_relay=True)``,
         and ``relay_zones``) from now on; needs :meth:`bind` first."""
@@ -335,7 +354,7 @@ class MonitorClient:
 
         assert self._run is not None and self._attempt is not None, "bind() with the attempt first"
         self._relay = RelayRoute(self._run, self._namespace, self._attempt, self._handle, node_id, self._timeout_s,
-                                 self.metrics, zones)
+                                 self.metrics, zones, root=self.watched_root)
 
     def notify(self, event: tuple) -> Any:
         """Deliver one notification (batched with those of this process's other save threads,

@@ -32,11 +32,12 @@ from functools import partial
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ckptd import failpoints
-from ckptd.coordinator.client import MonitorClient, RelayUnavailable, require_ray
+from ckptd.coordinator.client import MonitorClient, RelayUnavailable, WatchedRoot, require_ray
+from ckptd.errors import CheckpointError
 from ckptd.metrics import RETRIED_REQUESTS, RunMetrics
 from ckptd.protocol import relay_name
 
@@ -114,17 +115,25 @@ class RelayCore:
         timeout_s: How long a batch is retried while upstream is unreachable.
         zone: Forward through the zone relay with this number instead of to the monitor.
         upstream: Forward to this instead (for a load generator).
+        root: The root the coordinators publish into (``MonitorClient.watched_root``): once the
+            monitor is dead for good and a newer attempt opened there, the batch fails at once
+            with the coordinators' own CheckpointError, instead of being retried for
+            ``timeout_s``.
     """
 
     def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, timeout_s: float,
-                 zone: int | None = None, upstream: Callable[[list], Awaitable[list]] | None = None) -> None:
+                 zone: int | None = None, upstream: Callable[[list], Awaitable[list]] | None = None,
+                 root: WatchedRoot | None = None) -> None:
         if upstream is None and zone is not None:
-            route = _Route(partial(start_relay, run, namespace, attempt, monitor, f"zone{zone}", timeout_s),
+            route = _Route(partial(start_relay, run, namespace, attempt, monitor, f"zone{zone}", timeout_s, root=root),
                            timeout_s, RunMetrics(run), run)
             upstream = route.send_async
         if upstream is None:
             client = MonitorClient(monitor, timeout_s)
-            client.bind(run, namespace, attempt)
+            label = None if root is None else f"attempt {root.attempt} of root {root.url!r}"  # as a coordinator's
+            client.bind(run, namespace, attempt, label)
+            if root is not None:
+                client.watch_root(root.storage(), root.attempt)
             # No bound on a live monitor's answer here: one batch carries several coordinators'
             # events, and each bounds its own wait for the relay (``_Route.send``).
             upstream = partial(client.call_async, "notify_batch", bounded=False)
@@ -152,8 +161,8 @@ class NodeRelay:
     arguments)."""
 
     def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, timeout_s: float,
-                 zone: int | None = None) -> None:
-        self._core = RelayCore(run, namespace, attempt, monitor, timeout_s, zone)
+                 zone: int | None = None, root: WatchedRoot | None = None) -> None:
+        self._core = RelayCore(run, namespace, attempt, monitor, timeout_s, zone, root=root)
 
     async def relay(self, events: list) -> list:
         return await self._core.relay(events)
@@ -175,7 +184,7 @@ def zone_of(node_id: str, zones: int) -> int:
 
 
 def start_relay(run: str, namespace: str | None, attempt: str, monitor: Any, where: str, timeout_s: float,
-                zone: int | None = None, node_id: str | None = None) -> Any:
+                zone: int | None = None, node_id: str | None = None, root: WatchedRoot | None = None) -> Any:
     """The relay of ``run``'s ``attempt`` named ``where`` (a node id, or ``zone{N}``): the running
     one, or a new one, on ``node_id`` if given, sending through zone ``zone`` if given, else to
     ``monitor`` (that attempt's).
@@ -189,7 +198,16 @@ def start_relay(run: str, namespace: str | None, attempt: str, monitor: Any, whe
     return NodeRelay.options(
         name=relay_name(run, attempt, where), namespace=namespace, get_if_exists=True, max_concurrency=4096,
         runtime_env={"env_vars": env} if env else None, **placement,
-    ).remote(run, namespace, attempt, monitor, timeout_s, zone)
+    ).remote(run, namespace, attempt, monitor, timeout_s, zone, root)
+
+
+def _raise_unwrapped(e: RayTaskError) -> None:
+    """Raise what a relay raised as its callers would have raised it themselves: a
+    CheckpointError (the monitor is gone for good, or another job's) as it is, not inside Ray's
+    wrapper; anything else as it came."""
+    if isinstance(e.cause, CheckpointError):
+        raise e.cause from None
+    raise e
 
 
 class _Route:
@@ -233,6 +251,8 @@ class _Route:
             handle = self.handle()
             try:
                 return ray.get(handle.relay.remote(events), timeout=max(0.0, deadline - time.monotonic()))
+            except RayTaskError as e:
+                _raise_unwrapped(e)
             except GetTimeoutError:
                 raise RelayUnavailable(f"the notification relay of run {self._run!r} did not answer within "
                                        f"notify_timeout_s={self._timeout_s:g} s") from None
@@ -254,6 +274,8 @@ class _Route:
             handle = self.handle()
             try:
                 return await handle.relay.remote(events)
+            except RayTaskError as e:
+                _raise_unwrapped(e)
             except RayActorError as e:
                 if time.monotonic() > deadline:
                     raise
@@ -267,9 +289,10 @@ class RelayRoute(_Route):
     when ``zones`` > 0)."""
 
     def __init__(self, run: str, namespace: str | None, attempt: str, monitor: Any, node_id: str,
-                 timeout_s: float, metrics: RunMetrics, zones: int = 0) -> None:
+                 timeout_s: float, metrics: RunMetrics, zones: int = 0, root: WatchedRoot | None = None) -> None:
         zone = zone_of(node_id, zones) if zones else None
-        super().__init__(partial(start_relay, run, namespace, attempt, monitor, node_id, timeout_s, zone, node_id),
+        super().__init__(partial(start_relay, run, namespace, attempt, monitor, node_id, timeout_s, zone, node_id,
+                                 root),
                          timeout_s, metrics, run)
 
     def post(self, events: list) -> None:

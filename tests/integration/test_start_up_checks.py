@@ -203,3 +203,37 @@ def test_the_old_jobs_wait_ends_with_a_checkpoint_error_once_a_takeover_killed_i
     assert "is dead and Ray does not restart it" in said and "attempt 2 of the root (run 'the-next-job')" in said, said
     assert ckptd.latest_step(root) == 1
     coord.close()
+
+
+@pytest.mark.parametrize("zones", [None, 0, 1], ids=["direct", "node relay", "zone relay"])
+def test_a_save_through_a_relay_fails_at_once_once_a_takeover_killed_the_monitor(make_monitor, tmp_path, zones):
+    """Through a node relay (and a zone relay behind it), a save that finished after a newer
+    job's takeover killed the monitor used to wait out the relay's retries, then the
+    coordinator's own (about twice notify_timeout_s, helper-69's I4): the relay did not know the
+    root, so it could not see the newer attempt there. It now fails as fast as a direct save
+    does, with the CheckpointError that names the newer attempt."""
+    root = str(tmp_path / "ckpt")
+    relays = {} if zones is None else {"node_relay": True, "relay_zones": zones}
+    monitor = make_monitor(root, **relays)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)  # the relays are up
+    writing, go = threading.Event(), threading.Event()
+
+    def save():
+        writing.set()
+        assert go.wait(DEADLINE_S)
+        return write_file(f"{coord.step_dir(2)}/model.bin", b"2")
+
+    coord.register(2, checkpoint_thread_count=1)
+    coord.save_async("model", save, 2)
+    assert writing.wait(DEADLINE_S)  # admitted: only its "finished" is left to send
+    make_monitor(root, run="the-next-job", takeover=True)
+    go.set()
+    told = in_thread(coord.wait_all, 20.0)
+    assert told[0] == "raised", told  # 'hung': still retrying the dead monitor through the relay
+    assert type(told[1]) is ckptd.CheckpointSaveError, told
+    said = str(told[1])
+    assert f"(attempt 1 of root {root!r}) is dead" in said, said
+    assert "attempt 2 of the root (run 'the-next-job')" in said, said
+    assert ckptd.latest_step(root) == 1
+    coord.close()

@@ -269,13 +269,15 @@ class MonitorClient:
             except asyncio.TimeoutError:
                 raise self._unanswered(method, 0.0) from None
             except RayActorError as e:
-                self._raise_if_gone_for_good(e)
+                # Both look things up with blocking calls (the GCS, the root, a ping): on a thread,
+                # so that a relay's event loop goes on with the batches of its other coordinators.
+                await asyncio.to_thread(self._raise_if_gone_for_good, e)
                 if time.monotonic() > deadline:
                     raise
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-                self._reattach()
+                await asyncio.to_thread(self._reattach)
 
     def _raise_if_gone_for_good(self, e: RayActorError) -> None:
         """Raise a :class:`CheckpointError` at once where the monitor's actor will never answer

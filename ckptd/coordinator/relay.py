@@ -201,13 +201,16 @@ def start_relay(run: str, namespace: str | None, attempt: str, monitor: Any, whe
     ).remote(run, namespace, attempt, monitor, timeout_s, zone, root)
 
 
-def _raise_unwrapped(e: RayTaskError) -> None:
-    """Raise what a relay raised as its callers would have raised it themselves: a
-    CheckpointError (the monitor is gone for good, or another job's) as it is, not inside Ray's
-    wrapper; anything else as it came."""
-    if isinstance(e.cause, CheckpointError):
+def _raise_unless_retried(e: RayTaskError | RayActorError) -> None:
+    """After a relay call raised ``e``: return if the call is to be sent again (the relay died,
+    or could not reach upstream within its own timeout, which may be shorter than the caller's);
+    raise a CheckpointError that the relay raised (the monitor is gone for good, or another
+    job's) as the caller would have raised it itself, not inside Ray's wrapper; anything else as
+    it came."""
+    if isinstance(e, RayTaskError) and isinstance(e.cause, CheckpointError):
         raise e.cause from None
-    raise e
+    if not isinstance(e, RayActorError):
+        raise e
 
 
 class _Route:
@@ -251,12 +254,11 @@ class _Route:
             handle = self.handle()
             try:
                 return ray.get(handle.relay.remote(events), timeout=max(0.0, deadline - time.monotonic()))
-            except RayTaskError as e:
-                _raise_unwrapped(e)
             except GetTimeoutError:
                 raise RelayUnavailable(f"the notification relay of run {self._run!r} did not answer within "
                                        f"notify_timeout_s={self._timeout_s:g} s") from None
-            except RayActorError as e:
+            except (RayTaskError, RayActorError) as e:
+                _raise_unless_retried(e)
                 if time.monotonic() > deadline:
                     raise RelayUnavailable(f"the notification relays of run {self._run!r} kept failing for "
                                            f"notify_timeout_s={self._timeout_s:g} s ({type(e).__name__})") from e
@@ -274,9 +276,8 @@ class _Route:
             handle = self.handle()
             try:
                 return await handle.relay.remote(events)
-            except RayTaskError as e:
-                _raise_unwrapped(e)
-            except RayActorError as e:
+            except (RayTaskError, RayActorError) as e:
+                _raise_unless_retried(e)
                 if time.monotonic() > deadline:
                     raise
                 self._failed(handle, e)

@@ -18,6 +18,8 @@ from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
 from .helpers import (
+    Gate,
+    actor_gone,
     arm_in_monitor,
     commit_one,
     failpoint_env,
@@ -217,18 +219,12 @@ def test_a_save_through_a_relay_fails_at_once_once_a_takeover_killed_the_monitor
     monitor = make_monitor(root, **relays)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=30.0)
     commit_one(coord, 1, "model.bin", is_state_dict=False)  # the relays are up
-    writing, go = threading.Event(), threading.Event()
-
-    def save():
-        writing.set()
-        assert go.wait(DEADLINE_S)
-        return write_file(f"{coord.step_dir(2)}/model.bin", b"2")
-
+    gate = Gate(root, 2, "model.bin")
     coord.register(2, checkpoint_thread_count=1)
-    coord.save_async("model", save, 2)
-    assert writing.wait(DEADLINE_S)  # admitted: only its "finished" is left to send
+    coord.save_async("model", gate, 2)
+    assert gate.entered.wait(DEADLINE_S)  # admitted: only its "finished" is left to send
     make_monitor(root, run="the-next-job", takeover=True)
-    go.set()
+    gate.open()
     told = in_thread(coord.wait_all, 20.0)
     assert told[0] == "raised", told  # 'hung': still retrying the dead monitor through the relay
     assert type(told[1]) is ckptd.CheckpointSaveError, told
@@ -236,4 +232,40 @@ def test_a_save_through_a_relay_fails_at_once_once_a_takeover_killed_the_monitor
     assert f"(attempt 1 of root {root!r}) is dead" in said, said
     assert "attempt 2 of the root (run 'the-next-job')" in said, said
     assert ckptd.latest_step(root) == 1
+    coord.close()
+
+
+@pytest.mark.parametrize("zones", [0, 1], ids=["node relay", "zone relay"])
+def test_a_relay_started_with_a_shorter_timeout_does_not_cut_a_coordinators_wait_short(make_monitor, tmp_path,
+                                                                                       zones):
+    """A relay retries a dead monitor for the notify_timeout_s of the coordinator that started
+    it; another coordinator of the node, with a longer one, sends its batch again until its own
+    runs out. With no newer attempt on the root, a monitor killed for good may yet be replaced by
+    a new job under the run's name, and that coordinator is then told it belongs to another job.
+    The first version of the relay's root watch raised the relay's give-up (Ray's wrapped
+    ActorDiedError) at once instead (helper-72)."""
+    root = str(tmp_path / "ckpt")
+    relays = {"node_relay": True, "relay_zones": zones}
+    monitor = make_monitor(root, **relays)
+    short = ckptd.CheckpointCoordinator(monitor, worker_id="short", notify_timeout_s=0.3)
+    short._client._relay.handle()  # it starts the node's relay: its timeout is the relay's
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=60.0)
+    coord.register(2, checkpoint_thread_count=1)
+    gate = Gate(root, 2, "model.bin")
+    coord.save_async("model", gate, 2)
+    assert gate.entered.wait(DEADLINE_S)
+    ray.kill(monitor, no_restart=True)
+    wait_for(lambda: actor_gone(monitor), DEADLINE_S, "the monitor gone")
+    gate.open()
+    told: list = []
+    waiting = threading.Thread(target=lambda: told.append(in_thread(coord.wait_all, DEADLINE_S)), daemon=True)
+    waiting.start()
+    waiting.join(3.0)  # ten times the relay's own timeout
+    assert not told, told  # the wait goes on: a new job may start under the run's name
+    make_monitor(root, **relays)  # it does
+    waiting.join(DEADLINE_S)
+    assert told and told[0][0] == "raised" and type(told[0][1]) is ckptd.CheckpointSaveError, told
+    said = "\n".join([str(told[0][1]), *getattr(told[0][1], "__notes__", [])])
+    assert "was started again" in said and "ray::" not in said, said
+    short.close()
     coord.close()

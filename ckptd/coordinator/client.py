@@ -173,9 +173,9 @@ class MonitorClient:
         case.
 
         Raises:
-            RayActorError: the monitor stayed unreachable (dead, restarting) until the deadline.
-            CheckpointTimeoutError: the monitor is alive but did not answer in time (stopped, say,
-                or stuck): the call may still be applied later, as a retried one may.
+            CheckpointTimeoutError: the monitor stayed unreachable (dead, restarting) until the
+                deadline, or is alive but did not answer in time (stopped, say, or stuck): the
+                call may still be applied later, as a retried one may. The message says which.
         """
         deadline = time.monotonic() + self._timeout_s + (waits_s or 0.0)  # for retries, whatever waits_s
         answer_by = until if until is not None else None if waits_s is None else deadline
@@ -196,12 +196,14 @@ class MonitorClient:
                     # monitor started again, see _reattach) get the timeout from now.
                     deadline = max(deadline, time.monotonic() + self._timeout_s)
                 retried = True
-                if time.monotonic() > deadline:
-                    raise
+                if time.monotonic() >= deadline:
+                    raise self._unreachable(method, e, waits_s) from e
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
-                time.sleep(delay)
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(delay * 2, 5.0)
                 self._reattach()
+                if time.monotonic() >= deadline:  # a retry now could only time out, and say "not answering"
+                    raise self._unreachable(method, e, waits_s) from e
 
     def _get_while_alive(self, ref: Any, method: str) -> Any:
         """``ray.get(ref)`` for as long as the monitor answers a ping within the client's timeout,
@@ -258,7 +260,9 @@ class MonitorClient:
     async def call_async(self, method: str, *args: Any, bounded: bool = True) -> Any:
         """:meth:`call` for a coroutine, with the client's timeout as the bound on the answer;
         ``bounded=False`` waits for a live monitor's answer without one (a relay, whose every
-        coordinator bounds its own wait for the relay), retrying while it is unreachable."""
+        coordinator bounds its own wait for the relay), retrying while it is unreachable, and
+        raises Ray's RayActorError once that ends (each coordinator then sends its batch again
+        for as long as its own timeout allows)."""
         deadline = time.monotonic() + self._timeout_s
         delay = 0.1
         while True:
@@ -272,12 +276,16 @@ class MonitorClient:
                 # Both look things up with blocking calls (the GCS, the root, a ping): on a thread,
                 # so that a relay's event loop goes on with the batches of its other coordinators.
                 await asyncio.to_thread(self._raise_if_gone_for_good, e)
-                if time.monotonic() > deadline:
-                    raise
+                if time.monotonic() >= deadline:
+                    if not bounded:
+                        raise
+                    raise await asyncio.to_thread(self._unreachable, method, e, 0.0) from e
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
-                await asyncio.sleep(delay)
+                await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(delay * 2, 5.0)
                 await asyncio.to_thread(self._reattach)
+                if bounded and time.monotonic() >= deadline:  # as in call()
+                    raise await asyncio.to_thread(self._unreachable, method, e, 0.0) from e
 
     def _raise_if_gone_for_good(self, e: RayActorError) -> None:
         """Raise a :class:`CheckpointError` at once where the monitor's actor will never answer
@@ -325,6 +333,23 @@ class MonitorClient:
             f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} died in its start-up "
             f"(restarted after a crash, it could not rebuild its state): {said}. Ray does not restart it again: "
             "fix what that says, then start the job again (ckptd.start_monitor)")
+
+    def _unreachable(self, method: str, e: RayActorError, waits_s: float | None) -> CheckpointTimeoutError:
+        """The error of a call whose monitor could not be reached until its deadline (``e``, Ray's
+        last error, is its cause): dead and not started again, or still being restarted."""
+        info = self._actor_info()
+        if info is not None and info.get("State") == "DEAD":
+            how = (f"is dead and Ray does not restart it ({_last_line(e)}), and no monitor was started again under "
+                   "its run's name")
+            todo = ("if the job was stopped, start it again (ckptd.start_monitor) and create new coordinators for "
+                    "its monitor")
+        else:
+            how = "could not be reached (Ray was restarting it, or its node was unreachable)"
+            todo = "raise the coordinator's notify_timeout_s if its restarts take longer"
+        return CheckpointTimeoutError(
+            f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} {how} for "
+            f"notify_timeout_s={self._timeout_s:g} s" + (f" (+ the {waits_s:g} s {method} waits)" if waits_s else "")
+            + f", so {method} got no answer and may or may not have been applied: {todo}")
 
     def _unanswered(self, method: str, waits_s: float | None) -> CheckpointTimeoutError:
         if waits_s is None:

@@ -216,7 +216,7 @@ def test_close_in_a_signal_handler_that_interrupted_a_blocked_save_async_returns
 def test_ray_shutdown_during_a_retried_monitor_call_does_not_start_ray_again(make_monitor, tmp_path, run_name):
     monitor = make_monitor(str(tmp_path / "ckpt"))
     lines, first = inspect.getsourcelines(MonitorClient.call)
-    sleep_line = first + next(i for i, line in enumerate(lines) if "time.sleep(delay)" in line)
+    sleep_line = first + next(i for i, line in enumerate(lines) if "time.sleep(" in line)
     script = _join_cluster(run_name) + textwrap.dedent(f"""
         coord = ckptd.CheckpointCoordinator(monitor, worker_id="shut", notify_timeout_s=3)
         print("ready", flush=True)

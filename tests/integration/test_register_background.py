@@ -116,7 +116,7 @@ def test_wait_false_returns_while_the_monitor_is_unreachable(make_monitor, tmp_p
 
     wait_for(dead, what="the killed monitor to be gone")
     coord.register(1, checkpoint_thread_count=1, wait=False)
-    with pytest.raises(RayActorError):
+    with pytest.raises(ckptd.CheckpointTimeoutError, match="is dead and Ray does not restart it"):
         coord.wait_all()
     coord.close()
 

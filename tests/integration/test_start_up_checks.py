@@ -236,6 +236,18 @@ def test_a_save_through_a_relay_fails_at_once_once_a_takeover_killed_the_monitor
     coord.close()
 
 
+def _finish_a_save_after_the_monitor_died_for_good(monitor, coord, root: str) -> None:
+    """A save of step 2 admitted, then its monitor killed for good (gone for callers), then the
+    save's file written: only its "finished" report is left to send, to a monitor that is gone."""
+    coord.register(2, checkpoint_thread_count=1)
+    gate = Gate(root, 2, "model.bin")
+    coord.save_async("model", gate, 2)
+    assert gate.entered.wait(DEADLINE_S)
+    ray.kill(monitor, no_restart=True)
+    wait_for(lambda: actor_gone(monitor), DEADLINE_S, "the monitor gone")
+    gate.open()
+
+
 @pytest.mark.parametrize("zones", [0, 1], ids=["node relay", "zone relay"])
 def test_a_relay_started_with_a_shorter_timeout_does_not_cut_a_coordinators_wait_short(make_monitor, tmp_path,
                                                                                        zones):
@@ -252,13 +264,7 @@ def test_a_relay_started_with_a_shorter_timeout_does_not_cut_a_coordinators_wait
     short = ckptd.CheckpointCoordinator(monitor, worker_id="short", notify_timeout_s=0.3)
     short._client._relay.handle()  # it starts the node's relay: its timeout is the relay's
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=60.0)
-    coord.register(2, checkpoint_thread_count=1)
-    gate = Gate(root, 2, "model.bin")
-    coord.save_async("model", gate, 2)
-    assert gate.entered.wait(DEADLINE_S)
-    ray.kill(monitor, no_restart=True)
-    wait_for(lambda: actor_gone(monitor), DEADLINE_S, "the monitor gone")
-    gate.open()
+    _finish_a_save_after_the_monitor_died_for_good(monitor, coord, root)
     told: list = []
     waiting = threading.Thread(target=lambda: told.append(in_thread(coord.wait_all, DEADLINE_S)), daemon=True)
     waiting.start()
@@ -286,13 +292,7 @@ def test_calls_to_a_monitor_dead_for_good_and_never_replaced_end_with_a_timeout_
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, **relays)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0", notify_timeout_s=1.0)
-    coord.register(2, checkpoint_thread_count=1)
-    gate = Gate(root, 2, "model.bin")
-    coord.save_async("model", gate, 2)
-    assert gate.entered.wait(DEADLINE_S)
-    ray.kill(monitor, no_restart=True)
-    wait_for(lambda: actor_gone(monitor), DEADLINE_S, "the monitor gone")
-    gate.open()
+    _finish_a_save_after_the_monitor_died_for_good(monitor, coord, root)
     calls = {"register": lambda: coord.register(3, checkpoint_thread_count=1),
              "register_and_monitor": lambda: asyncio.run(coord.register_and_monitor(3, checkpoint_thread_count=1)),
              "wait_committed": lambda: coord.wait_committed(2, timeout_s=1.0),

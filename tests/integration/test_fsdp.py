@@ -85,9 +85,11 @@ def test_a_2_rank_checkpoint_resumes_on_2_3_and_4_ranks_with_its_optimizer(saved
     assert curves[2] == after  # same world size: the same computation, bit for bit
     for world in (3, 4):
         assert curves[world] == pytest.approx(after, rel=LOSS_RTOL)
-    # An uninterrupted 3-rank run from the same start: the resumed run is that run, bit for bit.
+    # An uninterrupted 3-rank run from the same start: the resumed run is that run, up to the
+    # rounding of its first 3 steps on 3 ranks instead of 2 (bit for bit on some CPUs: 1.4e-7
+    # relative on an AVX2 one, where the same 2-rank steps and the same resumed state differ only there).
     straight = job_factory(3).call("train", 6)[0]
-    assert curves[3] == straight[3:]
+    assert curves[3] == pytest.approx(straight[3:], rel=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp-2x2"])

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from ckptd.checksum import crc32, hex_of
 from ckptd.config import Kind
 from ckptd.errors import CorruptCheckpointError
-from ckptd.storage import TMP_PREFIX, Storage
+from ckptd.storage import TMP_PREFIX, FileStat, Storage
 
 _CHUNK = 8 << 20
 MANIFEST_VERSION = 1
@@ -136,6 +136,37 @@ def changed_files(storage: Storage, step_name: str, entries: list[FileEntry]) ->
         if (size, crc) != (e.size, e.crc32):
             out.append(e.path)
     return out
+
+
+def listed_as(entry: FileEntry, st: FileStat) -> bool:
+    """Whether a file's size and modification time (``st``) are those ``entry`` lists; a time that
+    either side does not know counts as the same."""
+    return entry.size == st.size and (entry.mtime_ns is None or st.mtime_ns is None or entry.mtime_ns == st.mtime_ns)
+
+
+def still_holds(storage: Storage, path: str, entry: FileEntry, st: FileStat | None) -> bool:
+    """Whether the file at ``path`` (``st``: its listing, None if it is missing) still holds what
+    ``entry`` describes: the same size and modification time, or, if it was rewritten since (a
+    copy back from a mirror, say), the same bytes (CRC-32). Only such a file is read."""
+    if st is None or entry.size != st.size:
+        return False
+    return listed_as(entry, st) or crc32_file(storage, path)[1] == entry.crc32
+
+
+def changed_since_listing(storage: Storage, step_name: str, entries: list[FileEntry]) -> list[str]:
+    """The paths of ``entries`` (relative to the step directory ``step_name``) that storage no
+    longer holds as listed, from one listing of the step: unlike :func:`changed_files`, a file
+    whose size and modification time are unchanged is not read, so that a start-up can afford it
+    for a step of any size."""
+    on_storage = storage.walk_files(storage.join(step_name), skip=is_internal)
+
+    def holds(e: FileEntry) -> bool:
+        try:
+            return still_holds(storage, storage.join(step_name, e.path), e, on_storage.get(e.path))
+        except FileNotFoundError:  # gone since the listing
+            return False
+
+    return [e.path for e in entries if not holds(e)]
 
 
 def is_internal(rel_path: str) -> bool:

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ckptd.errors import CheckpointError
-from ckptd.manifest import FileEntry, crc32_file
+from ckptd.manifest import FileEntry, crc32_file, listed_as, still_holds
 from ckptd.storage import FileStat, Storage
 
 if TYPE_CHECKING:
@@ -31,10 +31,6 @@ class CommitCheckError(CheckpointError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.committed_changed))
-
-
-def _same(entry: FileEntry, st: FileStat) -> bool:
-    return entry.size == st.size and (entry.mtime_ns is None or st.mtime_ns is None or entry.mtime_ns == st.mtime_ns)
 
 
 class StepChecks:
@@ -61,7 +57,7 @@ class StepChecks:
                     continue
                 out[rel] = (e, unit)
                 st = on_storage.get(rel)
-                if st is None or not _same(e, st):
+                if st is None or not listed_as(e, st):
                     doubtful.append(rel)
         # Sorted, so that the first problem reported is the same whatever order the units came in.
         for rel in sorted(shared.keys() | set(doubtful)):
@@ -111,13 +107,7 @@ class StepChecks:
                 )
 
     def _unchanged(self, path: str, entry: FileEntry, st: FileStat) -> bool:
-        """Whether the file at ``path`` (as ``st``) still holds what ``entry`` describes: same size
-        and modification time, or, if it was rewritten since, the same bytes (CRC-32)."""
-        if entry.size != st.size:
-            return False
-        if _same(entry, st):
-            return True
-        return crc32_file(self.storage, path)[1] == entry.crc32
+        return still_holds(self.storage, path, entry, st)
 
     def _checksum_unclaimed(self, step_path: str, unclaimed: list[str],
                             on_storage: dict[str, FileStat]) -> dict[str, FileEntry]:
@@ -126,7 +116,7 @@ class StepChecks:
             path = f"{step_path}/{rel}"
             size, crc = crc32_file(self.storage, path)
             st = self.storage.stat(path)
-            if size != st.size or not _same(FileEntry(path=rel, size=size, crc32=crc,
+            if size != st.size or not listed_as(FileEntry(path=rel, size=size, crc32=crc,
                                                       mtime_ns=on_storage[rel].mtime_ns), st):
                 raise CommitCheckError(
                     f"{path} changed while it was being checksummed for the commit of its step; no "

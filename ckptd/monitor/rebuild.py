@@ -9,11 +9,10 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.errors import CorruptCheckpointError
-from ckptd.layout import MANIFESTS, StepEntry, Trusted, scan_steps
-from ckptd.manifest import Manifest, read_manifest
+from ckptd.layout import StepEntry, Trusted, scan_steps
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
+from ckptd.monitor.start_checks import newest_steps, start_manifests, state_dicts_in_flight
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 
@@ -41,7 +40,10 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     now = time.time()
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
-    state_dicts, damaged = start_manifests(storage, scanned, strict=False)  # start_monitor checked them strictly
+    # start_monitor checked them strictly; here a problem keeps the trackers away from its step
+    # (``damaged``). A state dict an attempt was still saving into is _resume's, or a clean-up's, to check.
+    in_flight = state_dicts_in_flight(storage, scanned, protocol.pending_attempts(storage))
+    state_dicts, damaged = start_manifests(storage, scanned, strict=False, cleaned=in_flight)
     for step, entry in scanned.items():
         for kind in entry.kinds:
             manifest = state_dicts.get(step) if kind is SD else None
@@ -73,65 +75,12 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     if committer is not None:
         # Not to a kind whose failure is recorded while its manifest is still there: a withdrawal
         # cut short (the failure is recorded first), which the start-up finishes. Nor forward onto
-        # a step with a damaged manifest, which every loader of the step refuses.
-        newest = _newest(scanned, lambda s, kinds: frozenset(
+        # a step with a damaged manifest, or files changed since it committed, which every loader
+        # of the step refuses.
+        newest = newest_steps(scanned, lambda s, kinds: frozenset(
             k for k in kinds if (s, k) not in recorded_failed and s not in damaged))
-        _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed)
+        _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed, damaged)
     return out
-
-
-def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *,
-                    strict: bool = True) -> tuple[dict[int, Manifest], set[int]]:
-    """Read the manifests a starting monitor relies on: the state dict's of each step without a
-    full checkpoint (a later unit of the step is checked against its units and files), returned
-    by step, and those of the newest step of each kind, which the trackers will name. Returns
-    those state dicts, and the steps whose manifests it found damaged (with ``strict=False``).
-
-    Raises:
-        CorruptCheckpointError: one of them is damaged (each is named): the trackers would name a
-            step no loader reads, or the step's units could not be checked. Raised before the
-            monitor writes anything (``start_monitor`` calls it first). With ``strict=False`` (a
-            Ray restart of a running job's monitor, which must not end the run over one step),
-            each is logged instead, and a damaged state dict's units and files are not known.
-    """
-    wanted = {(s, SD) for s, entry in scanned.items() if entry.kinds == {SD}}
-    for kind in Kind:
-        steps = [s for s, entry in scanned.items() if kind in entry.kinds]
-        if steps:  # every manifest of that step: a loader of it reads them all
-            wanted |= {(max(steps), k) for k in scanned[max(steps)].kinds}
-    read: dict[int, Manifest] = {}
-    damaged: list[str] = []
-    damaged_steps: set[int] = set()
-    for step, kind in sorted(wanted):
-        try:
-            # None: gone since the listing (retired, say); nothing to rely on.
-            manifest = read_manifest(storage, storage.join(scanned[step].name, MANIFESTS[kind]), advice=False)
-            if manifest is not None and kind is SD:
-                read[step] = manifest
-        except CorruptCheckpointError as e:
-            damaged.append(str(e))
-            damaged_steps.add(step)
-    if damaged and not strict:
-        log.error("damaged manifests: %s. Their steps stay as they are, and their loaders refuse them; restore "
-                  "them (the mirror holds a copy, if the run has one) or retire those steps", "; ".join(damaged))
-    elif damaged:
-        raise CorruptCheckpointError(
-            f"the checkpoint root {storage.url} holds damaged manifests, which the monitor must read to start: "
-            f"{'; '.join(damaged)}. ckptd writes a manifest whole, once, when its step commits, so something else "
-            "changed it: restore it (the mirror holds a copy, if the run has one), or move the step's directory out "
-            "of the root (or retire it: ckptd retire ROOT --after an older step), then start the monitor again")
-    return read, damaged_steps
-
-
-def _newest(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:
-    """The newest committed step of each kind (a full checkpoint counts as a state dict too),
-    counting of each step's manifests those ``trusted`` keeps."""
-    newest: dict[Kind, int] = {}
-    for step, entry in scanned.items():
-        for kind in trusted(step, entry.kinds):
-            newest[kind] = max(newest.get(kind, -1), step)
-    newest[SD] = max(newest.get(SD, -1), newest.get(Kind.CHECKPOINT, -1))
-    return newest
 
 
 def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer, ledger: StepLedger,
@@ -139,7 +88,7 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
     scanned = scan_steps(storage, template)
-    _repair_trackers(committer, ledger, _newest(scanned, trusted), trackers, _not_ours(scanned, foreign))
+    _repair_trackers(committer, ledger, newest_steps(scanned, trusted), trackers, _not_ours(scanned, foreign))
 
 
 def _not_ours(scanned: dict[int, StepEntry], foreign: set[str]) -> set[int]:
@@ -150,19 +99,21 @@ def _not_ours(scanned: dict[int, StepEntry], foreign: set[str]) -> set[int]:
 
 def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],
                      trackers: dict[Kind, int | None], not_ours: set[int],
-                     failed: set[tuple[int, Kind]] = frozenset()) -> None:
+                     failed: set[tuple[int, Kind]] = frozenset(), refused: set[int] = frozenset()) -> None:
     """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
-    edited by hand (or left by a retirement) may name a step that is not committed, or one whose
-    failure is recorded (``failed``: a withdrawal cut short). All are set to the newest committed
-    step. A tracker that names a step directory of another tool's (``not_ours``) while ckptd has
-    committed no step of the kind is that tool's: it stays until ckptd's first commit of the kind
-    replaces it."""
+    edited by hand (or left by a retirement) may name a step that is not committed, one whose
+    failure is recorded (``failed``: a withdrawal cut short), or one every loader refuses
+    (``refused``: a damaged manifest, or files changed since it committed). All are set to the
+    newest committed step that is none of these (an older one, for the last two). A tracker that
+    names a step directory of another tool's (``not_ours``) while ckptd has committed no step of
+    the kind is that tool's: it stays until ckptd's first commit of the kind replaces it."""
     for kind in Kind:  # a kind with nothing committed has no entry in ``newest``
         step, current = newest.get(kind, -1), trackers[kind]
         if current is not None and current in not_ours and step < 0:
             trackers[kind] = None  # left on storage, but no step of ckptd's: none to tell callers of
             continue
-        wrong = current is not None and ((current, kind) in failed or not ledger.is_committed(current, kind))
+        wrong = current is not None and ((current, kind) in failed or current in refused
+                                         or not ledger.is_committed(current, kind))
         if step < 0:
             if wrong:
                 committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name

@@ -168,9 +168,9 @@ class MonitorClient:
         own timeout). With None, it is waited for as long as the monitor is alive: as long as it
         answers a ping within the timeout, or Ray is restarting it (a wait the caller asked to be
         unbounded, or a writer slot, which comes when other writers end). ``until`` (a
-        ``time.monotonic()``) replaces the bound on the answer, for calls that share one. Retries
-        while the monitor is unreachable end at the client's timeout (plus ``waits_s``) in every
-        case.
+        ``time.monotonic()``) replaces the bound on the answer, for calls that share one, and ends
+        their retries too. Retries while the monitor is unreachable end at the client's timeout
+        (plus ``waits_s``) in every case, the lookups of a monitor started again included.
 
         Raises:
             CheckpointTimeoutError: the monitor stayed unreachable (dead, restarting) until the
@@ -178,6 +178,8 @@ class MonitorClient:
                 call may still be applied later, as a retried one may. The message says which.
         """
         deadline = time.monotonic() + self._timeout_s + (waits_s or 0.0)  # for retries, whatever waits_s
+        if until is not None:  # a bound shared with the calls queued behind one that timed out
+            deadline = min(deadline, until)
         answer_by = until if until is not None else None if waits_s is None else deadline
         delay, retried = 0.1, False
         while True:
@@ -190,18 +192,18 @@ class MonitorClient:
             except GetTimeoutError:
                 raise self._unanswered(method, waits_s) from None
             except RayActorError as e:
-                self._raise_if_gone_for_good(e)
                 if answer_by is None and not retried:
                     # An unbounded wait that outlived its monitor: the retries (and the lookup of a
                     # monitor started again, see _reattach) get the timeout from now.
                     deadline = max(deadline, time.monotonic() + self._timeout_s)
                 retried = True
+                self._raise_if_gone_for_good(e, deadline)
                 if time.monotonic() >= deadline:
                     raise self._unreachable(method, e, waits_s) from e
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(delay * 2, 5.0)
-                self._reattach()
+                self._reattach(deadline)
                 if time.monotonic() >= deadline:  # a retry now could only time out, and say "not answering"
                     raise self._unreachable(method, e, waits_s) from e
 
@@ -275,7 +277,7 @@ class MonitorClient:
             except RayActorError as e:
                 # Both look things up with blocking calls (the GCS, the root, a ping): on a thread,
                 # so that a relay's event loop goes on with the batches of its other coordinators.
-                await asyncio.to_thread(self._raise_if_gone_for_good, e)
+                await asyncio.to_thread(self._raise_if_gone_for_good, e, deadline)
                 if time.monotonic() >= deadline:
                     if not bounded:
                         raise
@@ -283,26 +285,35 @@ class MonitorClient:
                 self.metrics.inc(RETRIED_REQUESTS, request="monitor_call")
                 await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
                 delay = min(delay * 2, 5.0)
-                await asyncio.to_thread(self._reattach)
+                await asyncio.to_thread(self._reattach, deadline)
                 if bounded and time.monotonic() >= deadline:  # as in call()
                     raise await asyncio.to_thread(self._unreachable, method, e, 0.0) from e
 
-    def _raise_if_gone_for_good(self, e: RayActorError) -> None:
+    def _raise_if_gone_for_good(self, e: RayActorError, deadline: float) -> None:
         """Raise a :class:`CheckpointError` at once where the monitor's actor will never answer
         again, instead of retrying until the deadline: it died in its start-up, or it is dead
         (Ray does not restart it) and a newer attempt has opened on its root (a newer job's
         ``start_monitor(takeover=True)`` kills the old monitor so). A monitor killed with no newer
         attempt is waited for: a new job may start under the run's name, and :meth:`_reattach`
-        then says so."""
+        then says so. A dead monitor of a client not bound to its run (a coordinator still asking
+        for its configuration) cannot be looked up again at all: that too raises at once.
+        ``deadline``: the call's, which bounds the lookup of a monitor started again."""
         if e.actor_init_failed:
             raise self._died_starting(e) from e
-        if not isinstance(e, ActorDiedError) or self._root is None:
+        if not isinstance(e, ActorDiedError) or self._root is None and self._run is not None:
             return
         info = self._actor_info()
         if info is None or info.get("State") != "DEAD":
             return  # being restarted, or the GCS cannot say: retried
+        if self._run is None:
+            raise CheckpointError(
+                f"the checkpoint monitor this actor handle names is dead and Ray does not restart it "
+                f"({_last_line(e)}): nothing can answer through this handle. If a newer job took the root over, "
+                "or the job was started again, pass that job's monitor (ckptd.get_monitor(run), or what its "
+                "ckptd.start_monitor returned)"
+            ) from e
         dead = self._handle
-        self._reattach()  # a new job's monitor under the run's name raises its own error
+        self._reattach(deadline)  # a new job's monitor under the run's name raises its own error
         newer = self._newer_attempt()
         if self._handle is not dead or newer is None:
             return  # no newer job on the root: one may yet start under this run's name, and is waited for
@@ -338,7 +349,12 @@ class MonitorClient:
         """The error of a call whose monitor could not be reached until its deadline (``e``, Ray's
         last error, is its cause): dead and not started again, or still being restarted."""
         info = self._actor_info()
-        if info is not None and info.get("State") == "DEAD":
+        if info is not None and info.get("State") == "DEAD" and self._other_under_run_name():
+            how = (f"is dead and Ray does not restart it ({_last_line(e)}); a monitor was started again under its "
+                   "run's name but did not say in time which job it serves (stopped, stuck or still starting),")
+            todo = ("if that monitor is a new job's, create new coordinators for it (ckptd.get_monitor); else raise "
+                    "the coordinator's notify_timeout_s")
+        elif info is not None and info.get("State") == "DEAD":
             how = (f"is dead and Ray does not restart it ({_last_line(e)}), and no monitor was started again under "
                    "its run's name")
             todo = ("if the job was stopped, start it again (ckptd.start_monitor) and create new coordinators for "
@@ -350,6 +366,16 @@ class MonitorClient:
             f"the checkpoint monitor{'' if self._run is None else f' of run {self._run!r}'} {how} for "
             f"notify_timeout_s={self._timeout_s:g} s" + (f" (+ the {waits_s:g} s {method} waits)" if waits_s else "")
             + f", so {method} got no answer and may or may not have been applied: {todo}")
+
+    def _other_under_run_name(self) -> bool:
+        """Whether an actor other than this client's monitor now holds the run's name."""
+        if self._run is None or not ray.is_initialized():
+            return False
+        try:
+            found = ray.get_actor(actor_name(self._run), namespace=self._namespace)
+        except ValueError:
+            return False
+        return found._actor_id != self._handle._actor_id
 
     def _unanswered(self, method: str, waits_s: float | None) -> CheckpointTimeoutError:
         if waits_s is None:
@@ -422,8 +448,9 @@ class MonitorClient:
         else:
             self._handle.notify_batch.remote([event])
 
-    def _reattach(self) -> None:
-        """Look the monitor up again by its run's name.
+    def _reattach(self, deadline: float | None = None) -> None:
+        """Look the monitor up again by its run's name; a monitor found there is asked which
+        attempt it serves within the client's timeout, and no later than ``deadline`` (a call's).
 
         Raises:
             CheckpointError: the monitor now under that name belongs to another attempt (a new
@@ -439,8 +466,11 @@ class MonitorClient:
         except ValueError:
             return  # not re-created (yet); keep retrying the old handle until the deadline
         if self._attempt is not None:
+            left = self._timeout_s if deadline is None else min(self._timeout_s, deadline - time.monotonic())
+            if left <= 0:
+                return  # no time left to ask: the call ends (see _unreachable)
             try:
-                now = ray.get(handle.ping.remote(), timeout=self._timeout_s)
+                now = ray.get(handle.ping.remote(), timeout=left)
             except (RayActorError, GetTimeoutError):
                 return  # not answering yet: tried again at the next retry
             if now.get("attempt_id") != self._attempt:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ckptd.coordinator.client import _process_exists
+from ckptd.coordinator.monitor_diagnosis import _process_exists
 
 
 def test_a_running_process_exists():

@@ -41,7 +41,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
     # start_monitor checked them strictly; here a problem keeps the trackers away from its step
-    # (``damaged``). A state dict an attempt was still saving into is _resume's, or a clean-up's, to check.
+    # (``damaged``), and so does a change to a state dict an attempt was still saving into.
     in_flight = state_dicts_in_flight(storage, scanned, protocol.pending_attempts(storage))
     state_dicts, damaged = start_manifests(storage, scanned, strict=False, cleaned=in_flight)
     for step, entry in scanned.items():

@@ -32,9 +32,10 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
     those state dicts, and the steps the trackers must not name: their manifests are damaged, or
     their files changed since they committed (with ``strict=False``).
 
-    ``cleaned``: steps whose state dict the start-up's clean-up of older attempts decides about
-    (:func:`~ckptd.monitor.attempts.clean_up_older_attempts` withdraws one whose files changed):
-    their files are not checked here.
+    ``cleaned``: steps with a state dict alone that a save was under way into (the start-up's
+    clean-up of older attempts, :func:`~ckptd.monitor.attempts.clean_up_older_attempts`,
+    withdraws one whose files changed): such a change is not a refusal, but the trackers do not
+    name the step, and the next newest is checked in its place.
 
     Raises:
         CorruptCheckpointError: one of those manifests is damaged (each is named), or a step the
@@ -70,7 +71,10 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
             f"{'; '.join(damaged)}. ckptd writes a manifest whole, once, when its step commits, so something else "
             "changed it: restore it (the mirror holds a copy, if the run has one), or move the step's directory out "
             "of the root (or retire it: ckptd retire ROOT --after an older step), then start the monitor again")
-    changed = changed_newest(storage, scanned, damaged_steps, cleaned, first_only=strict)
+    changed, withdrawn = changed_newest(storage, scanned, damaged_steps, cleaned, first_only=strict)
+    for step, paths in sorted(withdrawn.items()):
+        log.warning("%s, and a save into the step was under way: the trackers do not name it (it is withdrawn, or "
+                    "its full checkpoint's commit refuses it)", _changed_text(storage, scanned, step, paths))
     if changed:
         what = "; ".join(_changed_text(storage, scanned, step, paths) for step, paths in sorted(changed.items()))
         if strict:
@@ -84,25 +88,30 @@ def start_manifests(storage: Storage, scanned: dict[int, StepEntry], *, strict: 
                 f"the monitor again. ckptd verify {storage.url} --step {step} checks it whole")
         log.error("%s. The trackers name an older step; restore the files (the mirror holds a copy, if the run has "
                   "one), or retire the step", what)
-    return read, damaged_steps | set(changed)
+    return read, damaged_steps | set(changed) | set(withdrawn)
 
 
 def changed_newest(storage: Storage, scanned: dict[int, StepEntry], excluded: set[int],
-                   cleaned: frozenset[int] = frozenset(), *, first_only: bool = False) -> dict[int, list[str]]:
+                   cleaned: frozenset[int] = frozenset(), *,
+                   first_only: bool = False) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
     """The committed steps the trackers would name (the newest of each kind, leaving out the
     ``excluded`` ones and each step found here) whose listed files storage no longer holds as
-    their manifests list them: step -> those files. One listing per step; a file is read only if
-    it was rewritten since (:func:`~ckptd.manifest.changed_since_listing`). A step whose
-    manifests are gone by the end of its check was retired or withdrawn meanwhile, not changed.
-    ``first_only``: stop at the first such step."""
+    their manifests list them: step -> those files, for the steps changed outside ckptd, and
+    apart, for the ``cleaned`` ones (a save into them was under way, and a unit may have replaced
+    a file: they are withdrawn, not reported). The next newest step then stands in for either.
+    One listing per step; a file is read only if it was rewritten since
+    (:func:`~ckptd.manifest.changed_since_listing`). A step whose manifests are gone by the end
+    of its check was retired or withdrawn meanwhile, not changed. ``first_only``: stop at the
+    first step changed outside ckptd."""
     changed: dict[int, list[str]] = {}
-    checked = set(cleaned)
+    withdrawn: dict[int, list[str]] = {}
+    checked: set[int] = set()
     while True:
-        left_out = excluded | changed.keys()
+        left_out = excluded | changed.keys() | withdrawn.keys()
         newest = newest_steps(scanned, lambda s, kinds, out=left_out: frozenset() if s in out else kinds)
         todo = sorted({s for s in newest.values() if s >= 0} - checked, reverse=True)
         if not todo:
-            return changed
+            return changed, withdrawn
         for step in todo:
             checked.add(step)
             entry = scanned[step]
@@ -111,9 +120,9 @@ def changed_newest(storage: Storage, scanned: dict[int, StepEntry], excluded: se
             except CorruptCheckpointError:
                 paths = [MANIFESTS[k] for k in sorted(entry.kinds)]  # a loader refuses it just the same
             if paths and kinds_in(storage, entry.name):
-                changed[step] = paths
-                if first_only:
-                    return changed
+                (withdrawn if step in cleaned else changed)[step] = paths
+                if first_only and step not in cleaned:
+                    return changed, withdrawn
 
 
 def newest_steps(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, int]:

@@ -152,3 +152,43 @@ def test_an_s3_root_is_checked_from_its_listing(make_monitor, s3_root):
     with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(checkpoint\).*model\.safetensors"):
         make_monitor(root, opts, run="the-next-job")
     assert ckptd.latest_step(root, storage_options=opts) == 2  # nothing written
+
+
+@pytest.mark.parametrize("change", ["rewritten", "deleted"])
+def test_a_restart_moves_the_state_dict_tracker_off_a_state_dict_saved_alone_whose_file_changed(
+        make_monitor, tmp_path, change):
+    """State dict 3 alone, its records still there (its full checkpoint may come): start-up's
+    check left it to the resume, which checks a state dict alone no more, so the tracker stayed
+    on a step verify refuses (helper-77)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    CHANGES[change](f"{root}/global_step_3/weights.bin")
+    restart_monitor(monitor)
+    assert tracker_of(root, SD) == 2 and tracker_of(root, CKPT) == 2
+    assert ckptd.verify(root, kind="state_dict").step == 2
+    coord.close()
+
+
+def test_a_state_dict_under_way_does_not_stand_in_for_an_older_one_that_changed(make_monitor, tmp_path):
+    """The second job's state dict 3 (its records left) will be withdrawn by the next job's
+    clean-up; state dict 2 (settled) is then what the tracker names, and its file is gone too: the
+    next start_monitor never looked at it, and started (helper-77)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    commit_one(coord, 2, "weights.bin", is_state_dict=True)
+    coord.close()
+    ray.kill(monitor, no_restart=True)
+    second = make_monitor(root, run="the-second-job")
+    coord = ckptd.CheckpointCoordinator(second, worker_id="w0")
+    commit_one(coord, 3, "weights.bin", is_state_dict=True)
+    coord.close()
+    ray.kill(second, no_restart=True)
+    for step in (2, 3):
+        os.remove(f"{root}/global_step_{step}/weights.bin")
+    with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(state_dict\).*weights\.bin"):
+        make_monitor(root, run="the-third-job")

@@ -88,7 +88,8 @@ class UnitRunner:
         try:
             self._start(unit, slot)
         except _Refused as e:
-            # Not part of its step: nothing was written, and nothing is reported as failed.
+            # Nothing was written, and nothing is reported: the monitor has recorded what the
+            # refusal means for the step (nothing, or its failure when a fence refused it).
             log.error("save %s of step %d (%s) refused: %s", unit.label, unit.step, unit.kind.value, e)
             self._ended(unit, span, f"refused: {e}")
             return CheckpointSaveError(unit.step, unit.kind.value, unit.label, f"not saved: {e}")

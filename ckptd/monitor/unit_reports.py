@@ -129,9 +129,19 @@ class UnitReports:
             restored = await self._restore_receipt(uid) or restored
         # A step whose outcome a newer job decides is named so, not as fenced: its unit is refused,
         # and the step must not read as failed (it may be committed).
-        why = self._undecided_cause(uid.step, uid.kind) or self._why_fenced() or self._why_foreign(uid.step)
+        why = self._undecided_cause(uid.step, uid.kind) or self._why_foreign(uid.step)
         if why is None:
+            # A unit admitted before (a relay's late copy of its "started", a retry) is answered
+            # as it was: it may be writing, and a fence refuses its publish on storage anyway.
+            known = self._ledger.knows(uid)
             why = self._ledger.admit(uid, time.time())
+            fenced = self._why_fenced() if why is None and not known else None
+            if fenced is not None:
+                # The unit will not write, so its step can never be complete: it fails now (and
+                # stays failed if a look lifts the fence), rather than at step_timeout_s.
+                why = fenced
+                await self._failed(uid, UnitFailure(unit=uid.label, error_type="FencedError",
+                                                    message=f"not admitted: {fenced}"))
             if why is not None:
                 await self.durable(uid.step)  # "already failed" is said only once it is recorded
         if why is not None and restored:

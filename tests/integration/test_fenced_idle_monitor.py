@@ -282,6 +282,80 @@ def test_a_fence_that_a_commit_ran_into_is_lifted_once_the_losing_attempt_is_tak
     coord.close()
 
 
+@pytest.mark.parametrize("strategy", ["unrestricted", "single_thread"])
+def test_a_unit_refused_under_a_fence_that_a_look_may_lift_fails_its_step(make_monitor, tmp_path, strategy):
+    """Step 2's commit ran into a losing ``start_monitor``'s attempt: the monitor is fenced until a
+    look lifts it. Step 3's unit is refused its start meanwhile (its writer slot too), so step 3 can
+    never be complete: it fails at once, naming the fence, and stays failed after the lift. It
+    was left pending until ``step_timeout_s`` (seen in CI, where retention ran into the attempt
+    before a step's unit started)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, save_strategy=strategy)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    release_looks = _looks_held(monitor, tmp_path)
+    loser = open_attempt(storage, "a-racing-job", None)
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        commit_one(coord, 2, "model.bin", is_state_dict=False)
+    assert "superseded" in ray.get(monitor.status.remote()).fenced
+    written = threading.Event()
+    coord.register(3, checkpoint_thread_count=1)
+    coord.save_async("model", lambda: written.set(), 3)
+    with pytest.raises(ckptd.CheckpointSaveError, match="not admitted: attempt 1 of this root was superseded"):
+        coord.wait_committed(3, timeout_s=DEADLINE_S / 2)
+    with pytest.raises(ckptd.CheckpointSaveError, match="not saved"):
+        coord.wait_all()
+    assert not written.is_set()
+    _take_back(storage, loser.attempt)
+    release_looks()
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        coord.wait_committed(3, timeout_s=DEADLINE_S)  # what failed meanwhile stays failed
+    commit_one(coord, 4, "model.bin", is_state_dict=False)
+    assert tracker_of(root, CKPT) == 4
+    coord.close()
+
+
+def test_a_repeated_start_of_a_unit_admitted_before_the_fence_is_answered_as_before(make_monitor, tmp_path):
+    """Step 3's unit was admitted and writes; then step 2's commit runs into a losing attempt, and a
+    second copy of the unit's "started" arrives under that fence (a relay delivering late after
+    the coordinator went to the monitor directly). It is answered "admitted" again and fails
+    nothing: once the fence is lifted the unit's step commits. The first version of the
+    refusal-fails-its-step change failed it, though its unit wrote (helper-78)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    admitted, go = threading.Event(), threading.Event()
+    coord.register(3, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(3)}/model.bin"
+
+    def save() -> None:
+        admitted.set()
+        go.wait(DEADLINE_S)
+        write_file(path, os.urandom(64))
+
+    coord.save_async("model", save, 3)
+    assert admitted.wait(DEADLINE_S)
+    release_looks = _looks_held(monitor, tmp_path)
+    loser = open_attempt(storage, "a-racing-job", None)
+    with pytest.raises(ckptd.CheckpointSaveError, match="superseded"):
+        commit_one(coord, 2, "model.bin", is_state_dict=False)
+    [unit] = ray.get(monitor.__ray_call__.remote(
+        lambda self: [u.unit.to_dict() for u in self._ledger.get(3).units.values()]))
+    assert ray.get(monitor.notify_batch.remote([("started", unit, None)])) == [{"admitted": True}]
+    _take_back(storage, loser.attempt)
+    release_looks()
+    wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+    go.set()
+    coord.wait_committed(3, timeout_s=DEADLINE_S)
+    coord.wait_all()
+    assert tracker_of(root, CKPT) == 3
+    coord.close()
+
+
 def test_a_fence_that_retention_ran_into_is_lifted_once_the_losing_attempt_is_taken_back(make_monitor, tmp_path):
     """Retention (two checkpoints kept) is about to delete step 1 when a losing ``start_monitor``'s
     attempt appears: the deletion is refused, and retention stops. Once the attempt is taken back,

@@ -90,13 +90,14 @@ def describe_returned_files(storage: Storage, step_path: str, returned: Iterable
     :class:`WrittenFile` records, whose checksum is trusted and whose size is checked."""
     entries = []
     prefix = step_path.rstrip("/") + "/"
-    for item in returned:
+    for i, item in enumerate(returned):
         written = item if isinstance(item, WrittenFile) else None
         p = written.path if written is not None else item
         if not isinstance(p, (str, os.PathLike)):
+            # Not "save_fn returned None": it returned a list, one of whose items is not a path.
             raise CheckpointConfigError(
-                f"save_fn returned {item!r}; return None, or a list of the file paths it wrote "
-                "(or ckptd.WrittenFile records)"
+                f"item {i} of what save_fn returned is {item!r} ({type(item).__name__}), not a file path; return "
+                "None, or a list of the file paths it wrote (or ckptd.WrittenFile records)"
             )
         p = os.fspath(p)
         full = _absolute(storage, p)

@@ -148,6 +148,10 @@ def test_returned_paths_are_matched_to_storage_by_their_normal_form(tmp_path):
     for bad in ("sub/../../x.bin", f"{d}/../global_step_4/x.bin"):
         with pytest.raises(CheckpointConfigError, match="step directory"):
             describe_returned_files(storage, d, [bad])
+    # A tuple from a one-line lambda (makedirs, then write): its items are None and a byte count.
+    with pytest.raises(CheckpointConfigError, match=r"item 0 of what save_fn returned is None \(NoneType\), not a "
+                                                    r"file path; return None, or a list of the file paths"):
+        describe_returned_files(storage, d, [None, 64])
 
 
 @pytest.mark.parametrize("sd, ck", [("w0/a_sd#1", "w0/z_ck#2"), ("w0/z_sd#1", "w0/a_ck#2")])

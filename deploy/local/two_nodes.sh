@@ -70,14 +70,39 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-read -r gcs client agent agent_grpc metrics runtime_env nm1 om1 nm2 om2 agent2 agent_grpc2 metrics2 \
-  runtime_env2 < <("$PYTHON" -c '
-import socket
-socks = [socket.socket() for _ in range(14)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
+# Free TCP ports for one node, picked anew at each start. Below the kernel's ephemeral range,
+# where no outgoing connection's local end lands (one did on a port picked from that range
+# before the node bound it: its raylet died at start-up, and again when started on the same
+# ports), and above Ray's worker ports (10002-19999).
+pick_ports() {
+  "$PYTHON" - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+except (OSError, ValueError, IndexError):
+    low = 32768
+candidates = list(range(20000, low))
+random.shuffle(candidates)
+socks = []
+for port in candidates:
+    if len(socks) == n:
+        break
+    s = socket.socket()
+    try:
+        s.bind(("", port))
+    except OSError:
+        s.close()
+        continue
+    socks.append(s)
+while len(socks) < n:  # no room below the ephemeral range: any free port
+    s = socket.socket()
+    s.bind(("", 0))
+    socks.append(s)
 print(*[s.getsockname()[1] for s in socks])
-')
+PY
+}
 common=(--block --num-cpus 1 --object-store-memory 100000000 --disable-usage-stats)
 # Token authentication, with a token of this cluster's own: every node and the driver read it
 # from the file named here (a worker node does not turn it on by itself).
@@ -88,6 +113,7 @@ export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 
 # setsid: each node leads its own process group, which cleanup signals as a whole.
 start_head_node() {
+  read -r gcs client agent agent_grpc metrics runtime_env nm1 om1 < <(pick_ports 8)
   setsid "$PYTHON" -m ray.scripts.scripts start --head "${common[@]}" --temp-dir "$work/h" --port "$gcs" \
     --include-dashboard false --ray-client-server-port "$client" --dashboard-agent-listen-port "$agent" \
     --dashboard-agent-grpc-port "$agent_grpc" --metrics-export-port "$metrics" \
@@ -109,29 +135,39 @@ wait_for_head_node() {
   return 1
 }
 
-# Ray gives a starting node 30 s to register with the GCS and then gives up; on a loaded machine
-# that is not always enough, for the worker node and for the head node's own raylet alike. So a
-# node whose `ray start` gave up before the node was up is started once more. bring_up head|worker
-# returns 0 once the node is up, 3 if its `ray start` gave up twice, 1 on any other failure.
+# Ray gives a starting node 30 s to register with the GCS and then gives up, and a raylet dies
+# at start-up when one of its ports is taken or its agents are slow to start; on a loaded
+# machine that happens, to the worker node and to the head node's own raylet alike. So a node
+# whose `ray start` gave up before the node was up is started again (twice at most), on new
+# ports. bring_up head|worker returns 0 once the node is up, 3 if its `ray start` gave up three
+# times, 1 on any other failure.
 bring_up() {
   local node=$1 rc attempt
   "start_${node}_node"
-  for attempt in 1 2; do
+  for attempt in 1 2 3; do
     rc=0
     "wait_for_${node}_node" || rc=$?
-    if [ "$rc" != 3 ] || [ "$attempt" = 2 ]; then return "$rc"; fi
+    if [ "$rc" != 3 ] || [ "$attempt" = 3 ]; then return "$rc"; fi
     echo "two_nodes.sh: the $node node stopped before it was up; starting it again" >&2
     tail -n 3 "$work/$node.log" >&2
     kill -KILL -- "-${pids[-1]}" 2>/dev/null || true  # whatever its failed start left running
-    mv "$work/$node.log" "$work/$node.1.log"
+    mv "$work/$node.log" "$work/$node.$attempt.log"
     "start_${node}_node"
   done
+}
+
+# Why a node's raylets died, in their own words (`ray start` does not say): each start's session
+# logs, for a node that did not come up.
+raylet_errors() {
+  grep -h -A1 -e "Check failed" -e "unexpected system state" -e "exited immediately" \
+    "$work/$1"/session_*/logs/raylet.out 2>/dev/null | cut -c1-400 | tail -n 12 >&2 || true
 }
 
 rc=0
 bring_up head || rc=$?
 if [ "$rc" != 0 ]; then
   cat "$work/head.log" >&2
+  raylet_errors h
   echo "two_nodes.sh: the head node did not start" >&2
   exit 1
 fi
@@ -139,6 +175,7 @@ address=$(cat "$work/h/ray_current_cluster")  # host:port of the head node's GCS
 
 # The worker node: its own mount namespace, where $worker_src is mounted at $mnt.
 start_worker_node() {
+  read -r nm2 om2 agent2 agent_grpc2 metrics2 runtime_env2 < <(pick_ports 6)
   setsid unshare --user --map-root-user --mount -- sh -c 'mount --bind "$1" "$2" && shift 2 && exec "$@"' \
     sh "$worker_src" "$mnt" \
     "$PYTHON" -m ray.scripts.scripts start "${common[@]}" --address "$address" --temp-dir "$work/w" \
@@ -181,6 +218,7 @@ bring_up worker || rc=$?
 if [ "$rc" != 0 ]; then
   [ "$rc" = 3 ] && echo "two_nodes.sh: the worker node stopped before it joined the cluster" >&2
   tail -n 30 "$work/head.log" "$work/worker.log" >&2
+  raylet_errors w
   exit 1
 fi
 echo "two Ray nodes up at $address (temp dirs $work/h and $work/w); mode $mode: the worker node sees" \

@@ -71,8 +71,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # Free TCP ports for one node, picked anew at each start. Below the kernel's ephemeral range,
-# where no outgoing connection's local end lands (one did on a port picked from that range
-# before the node bound it: its raylet died at start-up, and again when started on the same
+# where no outgoing connection's local end lands (one that takes a port picked from that range
+# before the node binds it kills its raylet at start-up, and again if it is started on the same
 # ports), and above Ray's worker ports (10002-19999).
 pick_ports() {
   "$PYTHON" - "$1" <<'PY'

@@ -25,11 +25,13 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
-def _two_checkpoints(make_monitor, root: str) -> None:
-    monitor = make_monitor(root)
+def _a_job_commits(make_monitor, root: str, *saves: tuple[int, str, bool], run: str | None = None) -> None:
+    """A job (its own monitor) commits each ``(step, file, is_state_dict)`` in turn, one unit
+    each, and is gone."""
+    monitor = make_monitor(root, run=run)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    for step in (1, 2):
-        commit_one(coord, step, "model.bin", is_state_dict=False)
+    for step, rel, is_state_dict in saves:
+        commit_one(coord, step, rel, is_state_dict=is_state_dict)
     coord.close()
     ray.kill(monitor, no_restart=True)
 
@@ -44,7 +46,7 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_a_new_job_refuses_to_start_on_a_newest_step_changed_outside_ckptd(make_monitor, tmp_path, change):
     root = str(tmp_path / "ckpt")
-    _two_checkpoints(make_monitor, root)
+    _a_job_commits(make_monitor, root, (1, "model.bin", False), (2, "model.bin", False))
     CHANGES[change](f"{root}/global_step_2/model.bin")
     attempts = list_attempts(Storage(root))
     with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(checkpoint\).*model\.bin are missing or "
@@ -64,12 +66,7 @@ def test_a_new_job_refuses_to_start_on_a_newest_step_changed_outside_ckptd(make_
 
 
 def _checkpoint_2_and_state_dict_3(make_monitor, root: str) -> None:
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 2, "model.bin", is_state_dict=False)
-    commit_one(coord, 3, "weights.bin", is_state_dict=True)
-    coord.close()
-    ray.kill(monitor, no_restart=True)
+    _a_job_commits(make_monitor, root, (2, "model.bin", False), (3, "weights.bin", True))
 
 
 def test_the_step_the_state_dict_tracker_names_is_checked_too(make_monitor, tmp_path):
@@ -177,17 +174,8 @@ def test_a_state_dict_under_way_does_not_stand_in_for_an_older_one_that_changed(
     clean-up; state dict 2 (settled) is then what the tracker names, and its file is gone too: the
     next start_monitor never looked at it, and started (helper-77)."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "model.bin", is_state_dict=False)
-    commit_one(coord, 2, "weights.bin", is_state_dict=True)
-    coord.close()
-    ray.kill(monitor, no_restart=True)
-    second = make_monitor(root, run="the-second-job")
-    coord = ckptd.CheckpointCoordinator(second, worker_id="w0")
-    commit_one(coord, 3, "weights.bin", is_state_dict=True)
-    coord.close()
-    ray.kill(second, no_restart=True)
+    _a_job_commits(make_monitor, root, (1, "model.bin", False), (2, "weights.bin", True))
+    _a_job_commits(make_monitor, root, (3, "weights.bin", True), run="the-second-job")
     for step in (2, 3):
         os.remove(f"{root}/global_step_{step}/weights.bin")
     with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(state_dict\).*weights\.bin"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ckptd import protocol
 from ckptd.config import Kind
 from ckptd.layout import StepEntry, Trusted, scan_steps
+from ckptd.manifest import Manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
 from ckptd.monitor.start_checks import newest_steps, start_manifests, state_dicts_in_flight
@@ -40,10 +41,7 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
     now = time.time()
     scanned = out.scanned = scan_steps(storage, template)
     out.committed_at_start = {step: entry.kinds for step, entry in scanned.items() if entry.committed}
-    # start_monitor checked them strictly; here a problem keeps the trackers away from its step
-    # (``damaged``), and so does a change to a state dict an attempt was still saving into.
-    in_flight = state_dicts_in_flight(storage, scanned, protocol.pending_attempts(storage))
-    state_dicts, damaged = start_manifests(storage, scanned, strict=False, cleaned=in_flight)
+    state_dicts, damaged = _checked(storage, scanned)
     for step, entry in scanned.items():
         for kind in entry.kinds:
             manifest = state_dicts.get(step) if kind is SD else None
@@ -88,7 +86,20 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
     """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
     scanned = scan_steps(storage, template)
-    _repair_trackers(committer, ledger, newest_steps(scanned, trusted), trackers, _not_ours(scanned, foreign))
+    # Checked as at start-up: files may have changed since, and the fenced start-up did not check
+    # them for the trackers either (helper-79: the trackers stayed on a changed step).
+    _, damaged = _checked(storage, scanned)
+    newest = newest_steps(scanned, lambda s, kinds: frozenset() if s in damaged else trusted(s, kinds))
+    _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), refused=damaged)
+
+
+def _checked(storage: Storage, scanned: dict[int, StepEntry]) -> tuple[dict[int, Manifest], set[int]]:
+    """The start-up's lenient check of the newest steps (:func:`start_manifests`: start_monitor
+    checked them strictly): the state dicts' manifests, and the steps the trackers must not name
+    (damaged, changed since they committed, or a state dict an attempt was still saving into
+    that changed)."""
+    in_flight = state_dicts_in_flight(storage, scanned, protocol.pending_attempts(storage))
+    return start_manifests(storage, scanned, strict=False, cleaned=in_flight)
 
 
 def _not_ours(scanned: dict[int, StepEntry], foreign: set[str]) -> set[int]:

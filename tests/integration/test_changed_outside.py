@@ -16,9 +16,12 @@ import torch
 import ckptd
 import ckptd.manifest
 from ckptd.fencing import list_attempts
+from ckptd.monitor.attempts import open_attempt
+from ckptd.monitor.fence_watch import FENCE_CHECK_S
 from ckptd.storage import Storage
 
-from .helpers import commit_one, replace_same_size, restart_monitor, tracker_of, write_file
+from .helpers import commit_one, replace_same_size, restart_monitor, tracker_of, wait_for, write_file
+from .test_fenced_idle_monitor import _take_back
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -180,3 +183,26 @@ def test_a_state_dict_under_way_does_not_stand_in_for_an_older_one_that_changed(
         os.remove(f"{root}/global_step_{step}/weights.bin")
     with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(state_dict\).*weights\.bin"):
         make_monitor(root, run="the-third-job")
+
+
+def test_a_restart_under_a_fence_moves_the_trackers_off_a_changed_step_once_the_fence_is_lifted(
+        make_monitor, tmp_path):
+    """Step 2's file is replaced, and the monitor restarts while a losing ``start_monitor``'s
+    attempt is on the root: fenced, it leaves its trackers to the lift. The repair after the lift
+    checks the newest steps as a start-up does: the trackers go back to step 1. It took step 2 as
+    committed, and the trackers stayed on a step every loader refuses (helper-79)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    storage = Storage(root)
+    loser = open_attempt(storage, "a-racing-job", None)
+    replace_same_size(f"{root}/global_step_2/model.bin")
+    restart_monitor(monitor)
+    assert "superseded" in ray.get(monitor.status.remote()).fenced
+    _take_back(storage, loser.attempt)
+    wait_for(lambda: tracker_of(root, CKPT) == 1 and tracker_of(root, SD) == 1, 3 * FENCE_CHECK_S + 10,
+             "the trackers moved off step 2 after the lift")
+    assert ckptd.verify(root).step == 1
+    coord.close()

@@ -317,14 +317,16 @@ def test_a_unit_refused_under_a_fence_that_a_look_may_lift_fails_its_step(make_m
     coord.close()
 
 
-def test_a_repeated_start_of_a_unit_admitted_before_the_fence_is_answered_as_before(make_monitor, tmp_path):
+@pytest.mark.parametrize("strategy", ["unrestricted", "single_process"])
+def test_a_repeated_start_of_a_unit_admitted_before_the_fence_is_answered_as_before(make_monitor, tmp_path, strategy):
     """Step 3's unit was admitted and writes; then step 2's commit runs into a losing attempt, and a
-    second copy of the unit's "started" arrives under that fence (a relay delivering late after
-    the coordinator went to the monitor directly). It is answered "admitted" again and fails
-    nothing: once the fence is lifted the unit's step commits. The first version of the
+    second copy of the unit's "started" (or, with a save strategy, its ``acquire_slot``) arrives
+    under that fence (a relay delivering late after the coordinator went to the monitor directly;
+    a retried call). It is answered as it was ("admitted", its slot "granted") and fails nothing:
+    once the fence is lifted the unit's step commits. The first version of the
     refusal-fails-its-step change failed it, though its unit wrote (helper-78)."""
     root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
+    monitor = make_monitor(root, save_strategy=strategy)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     storage = Storage(root)
     commit_one(coord, 1, "model.bin", is_state_dict=False)
@@ -345,7 +347,11 @@ def test_a_repeated_start_of_a_unit_admitted_before_the_fence_is_answered_as_bef
         commit_one(coord, 2, "model.bin", is_state_dict=False)
     [unit] = ray.get(monitor.__ray_call__.remote(
         lambda self: [u.unit.to_dict() for u in self._ledger.get(3).units.values()]))
-    assert ray.get(monitor.notify_batch.remote([("started", unit, None)])) == [{"admitted": True}]
+    if strategy == "unrestricted":
+        assert ray.get(monitor.notify_batch.remote([("started", unit, None)])) == [{"admitted": True}]
+    else:
+        assert ray.get(monitor.acquire_slot.remote(unit, "node", "process")) == {"granted": True}
+    assert ray.get(monitor.status.remote()).step(3).state.value == "pending"
     _take_back(storage, loser.attempt)
     release_looks()
     wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")

@@ -230,9 +230,9 @@ def run_two_nodes(mode: str, work: Path, *demo: str, env: dict | None = None) ->
     env.update(PYTHON=sys.executable, CKPTD_TWO_NODES_DIR=str(work),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if os.geteuid() == 0:
-        # The other test workers keep both cores busy: a node's dashboard agent could miss its
-        # raylet's fixed 15 s wait (twice in full runs, every start of the worker node). The
-        # nodes start at a higher priority, and go back to the normal one once up.
+        # The other test workers keep both cores busy: a node's dashboard agent can miss its
+        # raylet's fixed 15 s wait for its port files (seen in full runs: the worker node failed
+        # all three starts). The nodes start at a higher priority, and go back to normal once up.
         env.setdefault("CKPTD_TWO_NODES_START_NICE", "-10")
     proc = subprocess.Popen([str(DEPLOY / "local" / "two_nodes.sh"), mode, *demo], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckptd import protocol
 from ckptd.config import Kind
@@ -87,9 +87,12 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
     not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
     scanned = scan_steps(storage, template)
     # Checked as at start-up: files may have changed since, and the fenced start-up did not check
-    # them for the trackers either (helper-79: the trackers stayed on a changed step).
-    _, damaged = _checked(storage, scanned)
-    newest = newest_steps(scanned, lambda s, kinds: frozenset() if s in damaged else trusted(s, kinds))
+    # them for the trackers either (helper-79: the trackers stayed on a changed step). Only the
+    # manifests it trusts: the check walks down from the newest steps the trackers may name, and
+    # a newer one it does not trust (a commit in flight) would stand in for them (helper-80).
+    mine = {s: replace(e, kinds=trusted(s, e.kinds)) for s, e in scanned.items()}
+    _, damaged = _checked(storage, mine)
+    newest = newest_steps(mine, lambda s, kinds: frozenset() if s in damaged else kinds)
     _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), refused=damaged)
 
 
@@ -123,8 +126,10 @@ def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind
         if current is not None and current in not_ours and step < 0:
             trackers[kind] = None  # left on storage, but no step of ckptd's: none to tell callers of
             continue
-        wrong = current is not None and ((current, kind) in failed or current in refused
-                                         or not ledger.is_committed(current, kind))
+        # A full checkpoint holds the weights too: the state-dict tracker may name one.
+        committed = current is not None and (ledger.is_committed(current, kind)
+                                             or kind is SD and ledger.is_committed(current, Kind.CHECKPOINT))
+        wrong = current is not None and ((current, kind) in failed or current in refused or not committed)
         if step < 0:
             if wrong:
                 committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name

@@ -694,3 +694,68 @@ def test_a_withdrawal_fenced_halfway_leaves_the_tracker_on_a_committed_step(make
     assert tracker_of(root, SD) == 1
     assert_trackers_verified(root)
     coord.close()
+
+
+def _repair_done(monitor) -> bool:
+    """The tracker repair that a lifted fence starts has run (none is due or running)."""
+    return ray.get(monitor.__ray_call__.remote(lambda self: not self._trackers_unrepaired and not any(
+        t.get_coro().__name__ == "_repair_trackers_after_lift" for t in self._tasks)))
+
+
+def test_the_repair_after_a_lift_checks_the_step_it_names_while_a_newer_commit_is_in_flight(make_monitor, tmp_path):
+    """Steps 1 and 2 are committed; step 3's monitor dies between its manifest and its tracker, a
+    losing ``start_monitor``'s attempt is on the root, so the restarted monitor is fenced and leaves
+    the trackers to be repaired after the lift. Step 3's file is then changed outside ckptd, and
+    step 4's commit (its unit admitted before the restart) has published its manifest and is held
+    when the fence lifts. The repair must not move the trackers to step 3: it checked step 4, the
+    newest manifest on storage, but chose among the steps it trusts, of which step 4 (in flight)
+    is not one, so step 3 went unchecked (helper-80)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    storage = Storage(root)
+    for step in (1, 2):
+        commit_one(coord, step, "model.bin", is_state_dict=False)
+    coord4 = ckptd.CheckpointCoordinator(monitor, worker_id="w1")
+    coord4.register(4, checkpoint_thread_count=1)
+    admitted, go = threading.Event(), threading.Event()
+
+    def save4() -> list[str]:
+        admitted.set()
+        assert go.wait(DEADLINE_S)
+        return write_file(f"{coord.step_dir(4)}/model.bin", os.urandom(64))
+
+    coord4.save_async("model", save4, 4)
+    assert admitted.wait(DEADLINE_S)
+    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{tmp_path / 'gate3'}")
+    coord.register(3, checkpoint_thread_count=1)
+    path3 = f"{coord.step_dir(3)}/model.bin"
+    coord.save_async("model", lambda: write_file(path3, os.urandom(64)), 3)
+    wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, "step 3 held after its manifest")
+    loser = open_attempt(storage, "a-racing-job", None)
+    restart_monitor(monitor, how="sigkill")
+    release_looks = _looks_held(monitor, tmp_path)
+    assert "superseded" in ray.get(monitor.status.remote()).fenced
+    replace_same_size(path3)
+    _take_back(storage, loser.attempt)
+    gate4 = tmp_path / "gate4"
+    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{gate4}")
+    try:
+        go.set()
+        wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, "step 4's manifest published, held")
+        assert read_manifest(root, 4, CKPT) is not None
+        # Step 4 stays held until gate4 exists; the repair's own tracker writes must not be.
+        arm_in_monitor(monitor, "after_publish", None)
+        release_looks()
+        wait_for(lambda: ray.get(monitor.status.remote()).fenced is None, 3 * FENCE_CHECK_S + 5, "the fence lifted")
+        wait_for(lambda: _repair_done(monitor), DEADLINE_S, "the repair after the lift")
+        assert held_at(monitor, "after_publish"), "step 4's commit is still in flight"
+        assert (tracker_of(root, CKPT), tracker_of(root, SD)) == (2, 2)
+        assert_trackers_verified(root)
+    finally:
+        gate4.touch()
+    coord4.wait_committed(4, timeout_s=DEADLINE_S)
+    assert tracker_of(root, CKPT) == 4
+    assert_trackers_verified(root)
+    coord.close()
+    coord4.close()

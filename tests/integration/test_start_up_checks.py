@@ -15,6 +15,7 @@ import pytest
 import ray
 
 import ckptd
+from ckptd.layout import TRACKERS
 from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
@@ -89,6 +90,25 @@ def test_a_restart_never_moves_a_tracker_onto_a_step_it_found_damaged(make_monit
     assert tracker_of(root, CKPT) == 1 and ckptd.verify(root).step == 1
     commit_one(coord, 3, "model.bin", is_state_dict=False)  # the run goes on past it
     assert tracker_of(root, CKPT) == 3
+    coord.close()
+
+
+def test_a_restart_leaves_a_state_dict_tracker_that_names_a_full_checkpoint_as_it_is(make_monitor, tmp_path):
+    """A full checkpoint holds the weights too, so its commit moves the state-dict tracker onto it.
+    A restart's repair took that tracker for one naming an uncommitted step and rewrote it on every
+    start (the same step, but a write a fenced or read-only start must not need)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "model.bin", is_state_dict=False)
+    assert (tracker_of(root, CKPT), tracker_of(root, SD)) == (1, 1)
+    before = {kind: os.stat(os.path.join(root, TRACKERS[kind])) for kind in (CKPT, SD)}
+    restart_monitor(monitor)
+    for kind, st in before.items():
+        now = os.stat(os.path.join(root, TRACKERS[kind]))
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns), f"the {kind.value} tracker was rewritten"
+    commit_one(coord, 2, "model.bin", is_state_dict=False)
+    assert (tracker_of(root, CKPT), tracker_of(root, SD)) == (2, 2)
     coord.close()
 
 

@@ -30,9 +30,20 @@ from ckptd import failpoints
 from ckptd.config import Kind
 from ckptd.errors import CheckpointError
 from ckptd.fencing import FencedError, check_fence
-from ckptd.layout import MANIFESTS, TRACKERS, Trusted, find_step_dir, is_committed, newest_committed, read_tracker
+from ckptd.layout import (
+    MANIFESTS,
+    TRACKERS,
+    StepEntry,
+    Trusted,
+    find_step_dir,
+    is_committed,
+    kinds_in,
+    newest_committed,
+    read_tracker,
+)
 from ckptd.manifest import FileEntry, Manifest, build_manifest, changed_files, is_internal, read_manifest
 from ckptd.monitor.commit_check import CommitCheckError, StepChecks
+from ckptd.monitor.start_checks import changed_in
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
 
@@ -259,11 +270,23 @@ class Committer(StepChecks):
         check_fence(self.storage, self.attempt)  # first too: a retried withdrawal ends on it
         failpoints.hit("before_revoke")
 
+        changed: set[int] = set()
+
         def staying(s: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
             kinds = kinds if trusted is None else trusted(s, kinds)
-            return kinds - {kind} if s == step else kinds
+            return frozenset() if s in changed else kinds - {kind} if s == step else kinds
 
-        newest = newest_committed(self.storage, kind, staying)
+        # Not onto a step whose files changed since it committed (outside ckptd): every loader
+        # refuses it. It stays as it is; the next newest one takes its place.
+        while (newest := newest_committed(self.storage, kind, staying)) is not None:
+            name = find_step_dir(self.storage, newest, self.template)
+            entry = None if name is None else StepEntry(newest, name, kinds_in(self.storage, name))
+            paths = [] if entry is None else changed_in(self.storage, entry)
+            if not paths:
+                break
+            log.error("step %d: %s changed since it committed; the %s tracker falls back past it", newest,
+                      ", ".join(paths[:5]), kind.value)
+            changed.add(newest)
         if read_tracker(self.storage, kind) != newest:
             if newest is None:
                 self.remove_tracker(kind)

@@ -425,14 +425,12 @@ class CommitFlow:
         newer attempt on the root refused it (fenced)."""
         tries = 0
         while True:
-            # A committed step retention claimed before this withdrawal began may be on its way
-            # to the trash: let those deletions end (done or not), so the step the tracker falls
-            # back to is one that stays.
-            claims = self._retention.claims
-            for deleting in [claims.deleting[s] for s in claims.committed if s in claims.deleting]:
-                await deleting.wait()
+            # The step the tracker falls back to must stay: a committed step retention claimed
+            # before this withdrawal began may be on its way to the trash (those deletions end
+            # first), and none is deleted until the tracker names it (it may be older than every
+            # step a pass counts among those it keeps: the walk passes over changed ones).
             try:
-                async with self._tracker_lock:
+                async with self._retention.keeping_committed(), self._tracker_lock:
                     before = self._trackers[SD]
                     newest = await self._in_thread(self._committer.revoke, rec.step, SD, self._trusted_manifests)
                     self._trackers[SD] = newest

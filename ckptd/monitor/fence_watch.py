@@ -117,11 +117,11 @@ class FenceWatch:
     async def _repair_trackers_after_lift(self) -> None:
         """A monitor restarted under a fence did not repair its trackers at start-up (one left
         behind its step's manifest by a monitor that died between the two): now it does."""
-        async with self._tracker_lock:
+        # The step it falls back to comes from its own scan: no retention pass may delete it meanwhile.
+        async with self._retention.keeping_committed(), self._tracker_lock:
             try:
                 await self._retrying("tracker", repair_trackers, self._storage, self._template, self._committer,
-                                     self._ledger, self._trackers, self._trusted_manifests,
-                                     set(self._foreign.values()))
+                                     self._trackers, self._trusted_manifests, set(self._foreign.values()))
             except FencedError as e:
                 self._fenced_by(e)
                 self._trackers_unrepaired = True  # at the next lift

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ckptd import protocol
 from ckptd.config import Kind
-from ckptd.layout import StepEntry, Trusted, scan_steps
+from ckptd.layout import StepEntry, Trusted, read_tracker, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.commit import Committer
 from ckptd.monitor.ledger import SD, StepLedger, StepRecord
@@ -77,14 +78,18 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
         # of the step refuses.
         newest = newest_steps(scanned, lambda s, kinds: frozenset(
             k for k in kinds if (s, k) not in recorded_failed and s not in damaged))
-        _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), recorded_failed, damaged)
+        _repair_trackers(committer, ledger.is_committed, newest, trackers, _not_ours(scanned, foreign),
+                         recorded_failed, damaged)
     return out
 
 
-def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer, ledger: StepLedger,
+def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Committer,
                     trackers: dict[Kind, int | None], trusted: Trusted, foreign: set[str]) -> None:
-    """:func:`_repair_trackers` from a new scan of the root: for a monitor whose start-up could
-    not (fenced then), which counts only the manifests it ``trusted`` (its commits may be in flight)."""
+    """:func:`_repair_trackers` from a new read of the root (the trackers, and a scan): for a
+    monitor whose start-up could not (fenced then), which counts only the manifests it
+    ``trusted`` (its commits may be in flight). What the ledger its start-up built says is not
+    enough: the trackers, and the steps they name, may have been edited or removed since."""
+    on_storage = {kind: read_tracker(storage, kind) for kind in Kind}
     scanned = scan_steps(storage, template)
     # Checked as at start-up: files may have changed since, and the fenced start-up did not check
     # them for the trackers either (helper-79: the trackers stayed on a changed step). Only the
@@ -93,7 +98,8 @@ def repair_trackers(storage: Storage, template: StepDirTemplate, committer: Comm
     mine = {s: replace(e, kinds=trusted(s, e.kinds)) for s, e in scanned.items()}
     _, damaged = _checked(storage, mine)
     newest = newest_steps(mine, lambda s, kinds: frozenset() if s in damaged else kinds)
-    _repair_trackers(committer, ledger, newest, trackers, _not_ours(scanned, foreign), refused=damaged)
+    _repair_trackers(committer, lambda s, kind: s in mine and kind in mine[s].kinds, newest, trackers,
+                     _not_ours(scanned, foreign), refused=damaged, on_storage=on_storage)
 
 
 def _checked(storage: Storage, scanned: dict[int, StepEntry]) -> tuple[dict[int, Manifest], set[int]]:
@@ -111,30 +117,35 @@ def _not_ours(scanned: dict[int, StepEntry], foreign: set[str]) -> set[int]:
     return {s for s, entry in scanned.items() if not entry.kinds and entry.name in foreign}
 
 
-def _repair_trackers(committer: Committer, ledger: StepLedger, newest: dict[Kind, int],
+def _repair_trackers(committer: Committer, is_committed: Callable[[int, Kind], bool], newest: dict[Kind, int],
                      trackers: dict[Kind, int | None], not_ours: set[int],
-                     failed: set[tuple[int, Kind]] = frozenset(), refused: set[int] = frozenset()) -> None:
+                     failed: set[tuple[int, Kind]] = frozenset(), refused: set[int] = frozenset(),
+                     on_storage: dict[Kind, int | None] | None = None) -> None:
     """A monitor that died between a manifest and its tracker left the tracker behind; a tracker
     edited by hand (or left by a retirement) may name a step that is not committed, one whose
     failure is recorded (``failed``: a withdrawal cut short), or one every loader refuses
     (``refused``: a damaged manifest, or files changed since it committed). All are set to the
     newest committed step that is none of these (an older one, for the last two). A tracker that
     names a step directory of another tool's (``not_ours``) while ckptd has committed no step of
-    the kind is that tool's: it stays until ckptd's first commit of the kind replaces it."""
+    the kind is that tool's: it stays until ckptd's first commit of the kind replaces it.
+
+    ``trackers``: the steps the monitor holds the trackers name, set to what each names once
+    repaired; ``on_storage``: what their files name, where the monitor's may be behind them."""
     for kind in Kind:  # a kind with nothing committed has no entry in ``newest``
-        step, current = newest.get(kind, -1), trackers[kind]
+        step, current = newest.get(kind, -1), (trackers if on_storage is None else on_storage)[kind]
         if current is not None and current in not_ours and step < 0:
             trackers[kind] = None  # left on storage, but no step of ckptd's: none to tell callers of
             continue
         # A full checkpoint holds the weights too: the state-dict tracker may name one.
-        committed = current is not None and (ledger.is_committed(current, kind)
-                                             or kind is SD and ledger.is_committed(current, Kind.CHECKPOINT))
+        committed = current is not None and (is_committed(current, kind)
+                                             or kind is SD and is_committed(current, Kind.CHECKPOINT))
         wrong = current is not None and ((current, kind) in failed or current in refused or not committed)
         if step < 0:
             if wrong:
                 committer.remove_tracker(kind)  # nothing of the kind is committed: no step to name
-                trackers[kind] = None
+            trackers[kind] = None if wrong else current
             continue
         if current is None or wrong or current < step:
             committer.write_tracker(kind, step)
-            trackers[kind] = step
+            current = step
+        trackers[kind] = current

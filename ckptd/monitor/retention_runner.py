@@ -5,8 +5,9 @@ deletion (:mod:`ckptd.monitor.claims`). What to delete is decided by :mod:`ckptd
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from ckptd import failpoints
 from ckptd.config import Kind, MonitorOptions
@@ -81,6 +82,23 @@ class RetentionRunner:
         self._counted_kinds: dict[int, frozenset[Kind]] = {}  # the manifests the scan saw of those
         self._failed_before: set[tuple[int, Kind]] = set()  # the kinds of steps failed when the pass began
         self._replan = False  # a deletion was refused because the plan kept too few
+        self._keeping = 0  # bodies of keeping_committed() running: no committed step is deleted
+
+    @contextlib.asynccontextmanager
+    async def keeping_committed(self) -> AsyncIterator[None]:
+        """No committed step is deleted while the body runs (one that chooses a step to point a
+        tracker at from a scan of its own, which a pass must not delete behind it): the body
+        starts once the deletions of committed steps already claimed are over, and a pass runs
+        after it for the deletions it held back."""
+        self._keeping += 1
+        try:
+            for deleting in [self.claims.deleting[s] for s in self.claims.committed if s in self.claims.deleting]:
+                await deleting.wait()
+            yield
+        finally:
+            self._keeping -= 1
+            if not self._keeping:
+                self.schedule()
 
     def release(self) -> None:
         """Let passes run, and run one. Until then :meth:`schedule` only queues a pass: a monitor
@@ -223,13 +241,14 @@ class RetentionRunner:
     def _may_delete(self, entry: StepEntry) -> bool:
         """On the event loop, right before a deletion: not if the step is protected now (in
         flight, a registration or commit of it under way, a tracker target), being withdrawn,
-        or if a kind the scan did not see committed has committed or is committing since. A
-        committed step is not deleted either once a step the plan counted among the newest is
-        being withdrawn, or may not stay (:meth:`_unsure`): the plan kept too few; another pass
-        follows (once: then the next commit's)."""
+        committed while :meth:`keeping_committed` runs, or if a kind the scan did not see
+        committed has committed or is committing since. A committed step is not deleted either
+        once a step the plan counted among the newest is being withdrawn, or may not stay
+        (:meth:`_unsure`): the plan kept too few; another pass follows (once: then the next
+        commit's)."""
         step = entry.step
         withdrawing = self._ledger.withdrawing_steps()
-        if step in self._protected() or step in withdrawing:
+        if step in self._protected() or step in withdrawing or entry.committed and self._keeping:
             return False
         if any(self._ledger.state_of(step, k) in (StepState.COMMITTING, StepState.COMMITTED)
                for k in Kind if k not in entry.kinds):

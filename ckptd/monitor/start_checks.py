@@ -115,10 +115,7 @@ def changed_newest(storage: Storage, scanned: dict[int, StepEntry], excluded: se
         for step in todo:
             checked.add(step)
             entry = scanned[step]
-            try:
-                paths = changed_since_listing(storage, entry.name, _listed(storage, entry))
-            except CorruptCheckpointError:
-                paths = [MANIFESTS[k] for k in sorted(entry.kinds)]  # a loader refuses it just the same
+            paths = changed_in(storage, entry)
             if paths and kinds_in(storage, entry.name):
                 (withdrawn if step in cleaned else changed)[step] = paths
                 if first_only and step not in cleaned:
@@ -143,6 +140,15 @@ def state_dicts_in_flight(storage: Storage, scanned: dict[int, StepEntry], attem
     reported as a change made outside ckptd."""
     recorded = set().union(*(protocol.recorded_steps(storage, a) for a in attempts))
     return frozenset(s for s in recorded if s in scanned and scanned[s].kinds == {SD})
+
+
+def changed_in(storage: Storage, entry: StepEntry) -> list[str]:
+    """The files of a committed step that storage no longer holds as its manifests list them
+    (:func:`~ckptd.manifest.changed_since_listing`: one listing), or its manifests, damaged."""
+    try:
+        return changed_since_listing(storage, entry.name, _listed(storage, entry))
+    except CorruptCheckpointError:
+        return [MANIFESTS[k] for k in sorted(entry.kinds)]  # a loader refuses it just the same
 
 
 def _listed(storage: Storage, entry: StepEntry) -> list[FileEntry]:

@@ -337,3 +337,73 @@ def test_a_wait_for_the_mirror_is_told_of_a_failure_only_once_it_is_recorded(mak
     with pytest.raises(ckptd.CheckpointError, match="FailpointError"):  # recorded now
         coord.wait_mirrored(2, timeout_s=DEADLINE_S)
     coord.close()
+
+
+def test_a_withdrawal_does_not_fall_back_to_a_step_whose_files_changed_outside_ckptd(make_monitor, tmp_path):
+    """State dicts 1 to 3 are committed (3 while a unit of its full checkpoint is held); step 2's
+    file is then changed outside ckptd, and the unit rewrites step 3's, which withdraws it. The
+    tracker fell back to step 2, which every loader refuses (helper-81): it goes to step 1, and
+    step 2 stays as it is."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=None, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2):
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
+    go = _state_dict_with_a_checkpoint_unit_held(coord, 3)
+    assert tracker_of(root, SD) == 3
+    weights2 = f"{coord.step_dir(2)}/weights.bin"
+    write_file(weights2, os.urandom(os.path.getsize(weights2)))
+    go.set()
+    with pytest.raises(ckptd.CheckpointError):
+        coord.wait_all()
+    wait_for(lambda: read_manifest(root, 3, SD) is None, DEADLINE_S, "state dict 3 withdrawn")
+    assert tracker_of(root, SD) == 1
+    assert_trackers_verified(root)
+    assert read_manifest(root, 2, SD) is not None  # not ckptd's to take back: a loader names what changed
+    coord.close()
+
+
+def _retention_idle(monitor) -> bool:
+    return ray.get(monitor.__ray_call__.remote(lambda self: self._retention.idle.is_set()))
+
+
+def test_no_retention_pass_deletes_the_older_step_a_withdrawal_falls_back_to(make_monitor, tmp_path):
+    """Two state dicts are kept. State dicts 1 to 4 are committed (4 while a unit of its full
+    checkpoint is held, and the pass that would delete step 1 held before its scan); 2 and 3 are
+    changed outside ckptd, and the unit rewrites 4's file. The withdrawal passes over 2 and 3 and
+    points the tracker at step 1, which the pass, let go meanwhile, deleted: it counted 2 and 3
+    among the two it keeps (helper-82)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root, max_state_dict_to_keep=2, max_ckpt_to_keep=None)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    wait_for(lambda: _retention_idle(monitor), DEADLINE_S, "the pass after step 1")
+    scan_gate, rm_gate = tmp_path / "scan.gate", tmp_path / "rm.gate"
+    arm_in_monitor(monitor, "before_retention_scan", f"until:{DEADLINE_S:g}:{scan_gate}")
+    try:
+        commit_one(coord, 2, "weights.bin", is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "before_retention_scan"), DEADLINE_S, "the pass held")
+        commit_one(coord, 3, "weights.bin", is_state_dict=True)
+        go = _state_dict_with_a_checkpoint_unit_held(coord, 4)
+        for step in (2, 3):
+            weights = f"{coord.step_dir(step)}/weights.bin"
+            write_file(weights, os.urandom(os.path.getsize(weights)))
+        arm_in_monitor(monitor, "before_revoke_rm", f"until:{DEADLINE_S:g}:{rm_gate}")
+        go.set()
+        wait_for(lambda: held_at(monitor, "before_revoke_rm"), DEADLINE_S, "the withdrawal held after its tracker")
+        assert tracker_of(root, SD) == 1
+        arm_in_monitor(monitor, "before_retention_scan", None)
+        scan_gate.touch()
+        wait_for(lambda: _retention_idle(monitor), DEADLINE_S, "the passes over")
+        assert held_at(monitor, "before_revoke_rm"), "the withdrawal is still under way"
+        assert os.path.isdir(coord.step_dir(1))
+    finally:
+        scan_gate.touch()
+        rm_gate.touch()
+    with pytest.raises(ckptd.CheckpointError):
+        coord.wait_all()
+    wait_for(lambda: read_manifest(root, 4, SD) is None, DEADLINE_S, "state dict 4 withdrawn")
+    wait_for(lambda: _retention_idle(monitor), DEADLINE_S, "the pass after the withdrawal")
+    assert tracker_of(root, SD) == 1
+    assert_trackers_verified(root)
+    coord.close()

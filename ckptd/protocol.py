@@ -318,7 +318,7 @@ def recorded_steps(storage: Storage, attempt: int) -> set[int]:
 def load_pending(storage: Storage, attempt: int) -> Iterator[PendingStep]:
     """Every step with ledger records of ``attempt``, oldest step first."""
     for step in sorted(recorded_steps(storage, attempt)):
-        yield _load_one(storage, attempt, step)
+        yield load_step(storage, attempt, step)
 
 
 def _read_json(storage: Storage, path: str) -> dict | None:
@@ -334,7 +334,8 @@ def _read_json(storage: Storage, path: str) -> dict | None:
         return None
 
 
-def _load_one(storage: Storage, attempt: int, step: int) -> PendingStep:
+def load_step(storage: Storage, attempt: int, step: int) -> PendingStep:
+    """The ledger records of ``attempt`` for ``step``."""
     d = step_pending_dir(storage, attempt, step)
     rec = PendingStep(step)
     for name in sorted(storage.listdir(d)):

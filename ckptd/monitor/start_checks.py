@@ -134,12 +134,38 @@ def newest_steps(scanned: dict[int, StepEntry], trusted: Trusted) -> dict[Kind, 
 
 
 def state_dicts_in_flight(storage: Storage, scanned: dict[int, StepEntry], attempts: list[int]) -> frozenset[int]:
-    """The steps with a committed state dict alone of which ``attempts`` left ledger records: their
-    full checkpoints were under way, so a unit may have replaced a file of the state dict, which is
-    then withdrawn (by the clean-up of an older attempt, or by a restarted monitor's resume), not
-    reported as a change made outside ckptd."""
-    recorded = set().union(*(protocol.recorded_steps(storage, a) for a in attempts))
-    return frozenset(s for s in recorded if s in scanned and scanned[s].kinds == {SD})
+    """The steps with a committed state dict alone that a save of ``attempts`` may still have been
+    writing into: a unit may have replaced a file of the state dict, which is then withdrawn (by
+    the clean-up of an older attempt, or by a restarted monitor's resume), not reported as a
+    change made outside ckptd. A step whose records show only what its state dict counted (every
+    save of it done, no full checkpoint registered) is not one: its files change only outside
+    ckptd, and it stays as it is (helper-83: a new job's start-up deleted such a step)."""
+    out: set[int] = set()
+    for attempt in attempts:
+        for step in protocol.recorded_steps(storage, attempt):
+            entry = scanned.get(step)
+            if entry is not None and entry.kinds == {SD} and step not in out and \
+                    _saving_into(storage, entry, protocol.load_step(storage, attempt, step)):
+                out.add(step)
+    return frozenset(out)
+
+
+def _saving_into(storage: Storage, entry: StepEntry, records: protocol.PendingStep) -> bool:
+    """Whether ``records`` show a save into the step beyond its committed state dict: a full
+    checkpoint registered, or a registration or an admitted unit its manifest did not count (or a
+    manifest that does not say, or cannot be read: as if so)."""
+    try:
+        manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[SD]), advice=False)
+    except CorruptCheckpointError:
+        return True
+    if manifest is None or manifest.registrations is None:
+        return True
+    counted = set(manifest.registrations)
+    if any(reg.counts.get(Kind.CHECKPOINT) or reg.reg_id not in counted for reg in records.registrations):
+        return True
+    units = set(manifest.units)
+    return any(unit.kind is not SD or unit.key not in units
+               for unit in [*records.started, *records.finished, *records.failed])
 
 
 def changed_in(storage: Storage, entry: StepEntry) -> list[str]:

@@ -28,13 +28,17 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 
 
-def _a_job_commits(make_monitor, root: str, *saves: tuple[int, str, bool], run: str | None = None) -> None:
+def _a_job_commits(make_monitor, root: str, *saves: tuple[int, str, bool], run: str | None = None,
+                   under_way: tuple[int, ...] = ()) -> None:
     """A job (its own monitor) commits each ``(step, file, is_state_dict)`` in turn, one unit
-    each, and is gone."""
+    each, registers the full checkpoints of the steps ``under_way`` (their state dicts committed:
+    a unit of theirs may have been writing when it stopped), and is gone."""
     monitor = make_monitor(root, run=run)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     for step, rel, is_state_dict in saves:
         commit_one(coord, step, rel, is_state_dict=is_state_dict)
+    for step in under_way:
+        coord.register(step, checkpoint_thread_count=1)
     coord.close()
     ray.kill(monitor, no_restart=True)
 
@@ -85,11 +89,13 @@ def test_the_step_the_state_dict_tracker_names_is_checked_too(make_monitor, tmp_
 
 
 def test_a_state_dict_whose_checkpoint_was_under_way_is_withdrawn_by_the_clean_up_not_refused(make_monitor, tmp_path):
-    """Step 3's full checkpoint could still have come when the first job stopped (its records are
-    there), so a unit may have replaced its file: the next job's clean-up withdraws that state
-    dict, as before; start_monitor's check leaves it to it."""
+    """Step 3's full checkpoint was registered when the first job stopped (its records say so), so
+    a unit may have replaced its file: the next job's clean-up withdraws that state dict, as
+    before; start_monitor's check leaves it to it. (With every save of the step done and no full
+    checkpoint registered, the change is one made outside ckptd: the start is refused, as in
+    ``test_the_step_the_state_dict_tracker_names_is_checked_too``.)"""
     root = str(tmp_path / "ckpt")
-    _checkpoint_2_and_state_dict_3(make_monitor, root)
+    _a_job_commits(make_monitor, root, (2, "model.bin", False), (3, "weights.bin", True), under_way=(3,))
     os.remove(f"{root}/global_step_3/weights.bin")
     make_monitor(root, run="the-next-job")
     assert tracker_of(root, SD) == 2 and ckptd.latest_step(root, "state_dict") == 2
@@ -178,7 +184,7 @@ def test_a_state_dict_under_way_does_not_stand_in_for_an_older_one_that_changed(
     next start_monitor never looked at it, and started (helper-77)."""
     root = str(tmp_path / "ckpt")
     _a_job_commits(make_monitor, root, (1, "model.bin", False), (2, "weights.bin", True))
-    _a_job_commits(make_monitor, root, (3, "weights.bin", True), run="the-second-job")
+    _a_job_commits(make_monitor, root, (3, "weights.bin", True), run="the-second-job", under_way=(3,))
     for step in (2, 3):
         os.remove(f"{root}/global_step_{step}/weights.bin")
     with pytest.raises(ckptd.CorruptCheckpointError, match=r"step 2 \(state_dict\).*weights\.bin"):

@@ -4,6 +4,8 @@ job's start-up finishes it. Found by a helper's attack (session 36)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ckptd
@@ -19,6 +21,7 @@ from .helpers import (
     read_manifest,
     tracker_of,
     wait_for,
+    write_file,
 )
 from .test_fenced_idle_monitor import DEADLINE_S, SD, _rewrite, _state_dict_2_with_a_checkpoint_unit_held
 
@@ -107,3 +110,31 @@ def test_an_older_jobs_failure_record_does_not_hide_a_step_the_new_job_committed
     protocol.write_step_failure(Storage(root), 2, 2, SD, "withdrawn")
     assert ckptd.latest_step(root, "state_dict") == 1
     coord.close()
+
+
+@pytest.mark.parametrize("changed", [1, 2], ids=["an older step", "the newest step"])
+def test_a_new_job_leaves_a_state_dict_changed_outside_ckptd_as_it_is(make_monitor, tmp_path, changed):
+    """State dicts 1 and 2 are committed, every save of them done, no full checkpoint registered;
+    the job ends and a file of one of them is changed outside ckptd. The new job's start-up took
+    the old job's records of the step for a save still under way into it: it withdrew the state
+    dict and deleted the step, files the change had not touched with it (helper-83). The step stays
+    as it is: the newest one, which the trackers name, refuses the start, naming the file; an
+    older one is left for its loaders to refuse."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2):
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
+    coord.close()
+    weights = f"{coord.step_dir(changed)}/weights.bin"
+    write_file(weights, os.urandom(os.path.getsize(weights)))
+    if changed == 2:
+        with pytest.raises(ckptd.CorruptCheckpointError, match="committed step 2 .*weights.bin"):
+            make_monitor(root, run="the-next-job", takeover=True)
+    else:
+        make_monitor(root, run="the-next-job", takeover=True)
+        assert tracker_of(root, SD) == 2
+        assert_trackers_verified(root)
+    assert read_manifest(root, changed, SD) is not None and os.path.exists(weights)
+    with pytest.raises(ckptd.CorruptCheckpointError, match="weights.bin"):
+        ckptd.verify(root, step=changed, kind="state_dict")

@@ -694,4 +694,3 @@ def test_a_withdrawal_fenced_halfway_leaves_the_tracker_on_a_committed_step(make
     assert tracker_of(root, SD) == 1
     assert_trackers_verified(root)
     coord.close()
-

@@ -57,6 +57,17 @@ def _repair_done(monitor) -> bool:
         t.get_coro().__name__ == "_repair_trackers_after_lift" for t in self._tasks)))
 
 
+def _held_after_its_manifest(monitor, coord, step: int, gate) -> str:
+    """Save checkpoint ``step`` (one file) and hold its commit right after its manifest is
+    published, its tracker not yet moved, until ``gate`` exists. Returns the file's path."""
+    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{gate}")
+    coord.register(step, checkpoint_thread_count=1)
+    path = f"{coord.step_dir(step)}/model.bin"
+    coord.save_async("model", lambda: write_file(path, os.urandom(64)), step)
+    wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, f"step {step} held after its manifest")
+    return path
+
+
 def test_the_repair_after_a_lift_checks_the_step_it_names_while_a_newer_commit_is_in_flight(make_monitor, tmp_path):
     """Steps 1 and 2 are committed; step 3's monitor dies between its manifest and its tracker, a
     losing ``start_monitor``'s attempt is on the root, so the restarted monitor is fenced and leaves
@@ -82,11 +93,7 @@ def test_the_repair_after_a_lift_checks_the_step_it_names_while_a_newer_commit_i
 
     coord4.save_async("model", save4, 4)
     assert admitted.wait(DEADLINE_S)
-    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{tmp_path / 'gate3'}")
-    coord.register(3, checkpoint_thread_count=1)
-    path3 = f"{coord.step_dir(3)}/model.bin"
-    coord.save_async("model", lambda: write_file(path3, os.urandom(64)), 3)
-    wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, "step 3 held after its manifest")
+    path3 = _held_after_its_manifest(monitor, coord, 3, tmp_path / "gate3")
     take_back, release_looks = _fenced_restart(monitor, storage, tmp_path)
     replace_same_size(path3)
     take_back()
@@ -161,11 +168,7 @@ def test_no_retention_pass_deletes_the_step_the_repair_after_a_lift_falls_back_t
     for step in (1, 2, 3):
         commit_one(coord, step, "model.bin", is_state_dict=False)
     wait_for(lambda: not os.path.exists(coord.step_dir(1)), DEADLINE_S, "step 1 deleted by retention")
-    arm_in_monitor(monitor, "after_publish", f"until:{DEADLINE_S:g}:{tmp_path / 'gate4'}")
-    coord.register(4, checkpoint_thread_count=1)
-    path4 = f"{coord.step_dir(4)}/model.bin"
-    coord.save_async("model", lambda: write_file(path4, os.urandom(64)), 4)
-    wait_for(lambda: held_at(monitor, "after_publish"), DEADLINE_S, "step 4 held after its manifest")
+    path4 = _held_after_its_manifest(monitor, coord, 4, tmp_path / "gate4")
     take_back, release_looks = _fenced_restart(monitor, storage, tmp_path)
     assert (tracker_of(root, CKPT), tracker_of(root, SD)) == (3, 3)
     replace_same_size(f"{coord.step_dir(3)}/model.bin")

@@ -43,6 +43,7 @@ from ckptd.monitor.startup import Startup
 from ckptd.monitor.status import build_status
 from ckptd.monitor.unit_reports import UnitReports, slot_key
 from ckptd.monitor.waits import Waits
+from ckptd.monitor.withdrawal import Withdrawals
 from ckptd.protocol import Registration, UnitId
 from ckptd.shared_root import probe_visible, unshared_message, where_am_i
 from ckptd.storage import Storage
@@ -54,7 +55,7 @@ log = logging.getLogger("ckptd.monitor")
 _HISTORY = 1000  # unshared writers reported by status()
 
 
-class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatch, Waits):
+class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publication, FenceWatch, Waits):
     """Decides when a step is committed, and commits it. One per run, named ``ckptd-monitor-{run}``.
 
     Create it with :func:`ckptd.start_monitor`; talk to it through
@@ -88,6 +89,8 @@ class CheckpointMonitor(Startup, UnitReports, CommitFlow, Publication, FenceWatc
         self._arriving: dict[int, int] = {}  # steps with registrations received, not yet answered (Waits)
         self._arrived: dict[int, asyncio.Event] = {}  # set once a step has none arriving any more
         self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failure records being written
+        self._failures_on_storage: dict[tuple[int, Kind], asyncio.Event] = {}  # awaited by a unit's report
+        self._withdrawals: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # state dicts being withdrawn
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()

@@ -70,6 +70,20 @@ class CommitFlow:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
                 await self._record_failure(rec, kind)
 
+    async def _record_new_failures_in_background(self, rec: StepRecord) -> None:
+        """Record the step's new failures in a task of their own (which reports them), and return
+        once each is on storage."""
+        events = [self._failures_on_storage.setdefault((rec.step, k), asyncio.Event()) for k in Kind
+                  if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
+        self._spawn(self._record_new_failures(rec))
+        for event in events:
+            await event.wait()
+
+    def _failure_on_storage(self, key: tuple[int, Kind]) -> None:
+        event = self._failures_on_storage.pop(key, None)
+        if event is not None:
+            event.set()
+
     def _failure_unsettled(self, step: int) -> bool:
         """Whether a failure of ``step`` is known but not reported yet (being recorded or checked)."""
         return any((step, k) in self._failure_writes for k in Kind)
@@ -139,6 +153,7 @@ class CommitFlow:
         # rebuilds the step from its units' receipts and, with every unit finished, would commit
         # a step its callers had been told had failed.
         await self._write_failure_durably(rec.step, kind, reason)
+        self._failure_on_storage(key)
         if kind is CKPT and self._why_fenced() is not None:
             # Not by a fenced monitor: the root is the newer job's, which may rewrite those files,
             # and whose monitor checks what it finds; this one could not withdraw anything anyway.
@@ -267,6 +282,7 @@ class CommitFlow:
         self._metrics.inc(FAILED_COMMITS, kind=kind)
         self._undecided.add(key)
         self._failures_recorded.add(key)  # nothing to record, and may be answered at once
+        self._failure_on_storage(key)
         self._failures_durable.add(key)
         log.error("step %d (%s) %s", rec.step, kind.value, rec[kind].reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", rec[kind].reason)
@@ -383,66 +399,3 @@ class CommitFlow:
             protocol.remove_step_records(self._storage, self._attempt, step)
         except Exception as e:
             log.warning("could not remove ledger records of step %d: %s", step, e)
-
-    async def _revoke_state_dict(self, rec: StepRecord, reason: str) -> None:
-        """Withdraw the committed state dict of ``rec``: its manifest goes, the state-dict tracker
-        is pointed back at the newest step still committed, and the kind is failed with ``reason``.
-
-        Storage errors are retried until the manifest is gone, however long that takes: until
-        then the manifest (and a tracker naming the step) claims files that are no longer there.
-        A fenced monitor stops: it publishes nothing any more, and the newer job's monitor checks
-        what it finds when it starts; if the fence is lifted (no newer job after all), the
-        manifest goes then."""
-        rec[SD].withdrawing = True  # retention must not count it among the state dicts it keeps
-        # The failure is recorded before the manifest goes. A monitor that died between the two
-        # would otherwise find no manifest, no failure and every unit of the step finished (the
-        # one that replaced the file too), and commit it again over the replaced bytes. Recorded
-        # first, a restart finds the state dict failed (its full checkpoint with it), or, with the
-        # manifest still there, withdraws it again at start-up (``startup._resume``).
-        await self._write_failure_durably(rec.step, SD, reason)
-        if await self._withdraw_manifest(rec) or self._final_fence() is not None:
-            rec[SD].withdrawing = False
-        else:  # still withdrawing (retention keeps it uncounted) until the fence is lifted
-            self._defer_withdrawal(rec)
-        self._ledger.fail_kind(rec, SD, reason, force=True)
-        await self._after_change(rec)
-
-    def _trusted_manifests(self, step: int, kinds: frozenset[Kind]) -> frozenset[Kind]:
-        """Of the manifests storage shows for ``step``, those a tracker may fall back to: not a
-        step retention is deleting, nor a kind whose commit is still in flight (an uncertain
-        publish may yet be taken back) or failed, nor a state dict being withdrawn. (One being
-        checked against storage counts, as it does while the tracker names it: leaving it out
-        would leave the tracker behind it once the check finds it intact.) Runs in the I/O
-        threads: it only looks up (no iteration over what the event loop changes)."""
-        if step in self._retention.claims.deleting:
-            return frozenset()
-        rec = self._ledger.get(step)
-        return frozenset(k for k in kinds if self._ledger.state_of(step, k) in (StepState.COMMITTED, None)
-                         and not (k is SD and rec is not None and rec[SD].withdrawing))
-
-    async def _withdraw_manifest(self, rec: StepRecord) -> bool:
-        """Remove the state dict's manifest of ``rec`` and point its tracker back; False if a
-        newer attempt on the root refused it (fenced)."""
-        tries = 0
-        while True:
-            # The step the tracker falls back to must stay: a committed step retention claimed
-            # before this withdrawal began may be on its way to the trash (those deletions end
-            # first), and none is deleted until the tracker names it (it may be older than every
-            # step a pass counts among those it keeps: the walk passes over changed ones).
-            try:
-                async with self._retention.keeping_committed(), self._tracker_lock:
-                    before = self._trackers[SD]
-                    newest = await self._in_thread(self._committer.revoke, rec.step, SD, self._trusted_manifests)
-                    self._trackers[SD] = newest
-                    if newest is not None and (before is None or newest > before):
-                        self._published(SD, newest)  # a commit that found the tracker ahead of it
-                    self._announce()
-                return True
-            except FencedError as e:
-                self._fenced_by(e)
-                log.error("could not withdraw the state dict of step %d: %s", rec.step, e)
-                return False
-            except Exception as e:
-                tries += 1
-                await self._back_off(tries, "revoke", e, f"could not withdraw the state dict of step {rec.step}")
-

@@ -299,7 +299,7 @@ class StepLedger:
             out.append(SD)
         sd_done = sd.state is StepState.COMMITTED or SD in out or sd.expected == 0
         if (ck.state is StepState.PENDING and ck.monitored and sd.expected + ck.expected > 0 and sd_done
-                and sd.state is not StepState.FAILED
+                and sd.state is not StepState.FAILED and not sd.withdrawing
                 and rec.tallies[SD].complete(sd.expected) and rec.tallies[CKPT].complete(ck.expected)):
             out.append(CKPT)
         return out

@@ -189,8 +189,16 @@ class UnitReports:
                        "dict is withdrawn. Write the full checkpoint's files under other names, or save into a "
                        "new step")
                 # Take that commit back, so that no manifest (and no tracker) claims what is not on
-                # storage, then fail the unit.
-                await self._revoke_state_dict(rec, why)
+                # storage, then fail the unit. Answered once the withdrawal's failure is recorded:
+                # the manifest's removal, which storage may refuse for a while, goes on without
+                # holding back this worker's later notifications.
+                await self._begin_withdrawal(rec, why)
+            elif self._ledger.state_of(uid.step, SD) is StepState.FAILED:
+                # Withdrawn since (by this unit's own report, whose answer was lost, say): storage
+                # is no longer compared with what it listed.
+                why = (f"unit {uid.label} reported {changed[0]} of step {uid.step} with other content than the "
+                       f"step's state dict listed when it committed, and that state dict is withdrawn: "
+                       f"{rec[SD].reason}")
             else:
                 why = (f"unit {uid.label} reported {changed[0]} of step {uid.step} with other content than "
                        "storage holds (the step's committed state dict); its report is wrong")
@@ -273,66 +281,21 @@ class UnitReports:
         # Read before anything below awaits: what this failure did to the unit's kind.
         kept = _kept_without(rec, uid)
         if not (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded):
-            await self.withdraw_if_changed(rec, f"unit {uid.label} failed")
-        elif kept is not None and uid.kind is SD and await self._changed_state_dict(rec):
+            # A withdrawal fails the step's state dict, and with it this unit's kind (its full
+            # checkpoint is neither committed nor being committed, or nothing was checked).
+            if await self.withdraw_if_changed(rec, f"unit {uid.label} failed", whole=False):
+                kept = None
+        elif kept is not None and uid.kind is SD and (rec.step in self._withdrawals
+                                                      or await self._changed_state_dict(rec)):
             # The full checkpoint failed now, and recording that failure checks the state dict and
             # withdraws it (_record_failure): this unit's answer must not say it stays.
             kept = None
-        await self._after_change(rec)
-        if rec[uid.kind].state is StepState.FAILED:
-            return None  # failed after all: a file this unit replaced withdrew the committed state dict
-        return kept
-
-    async def withdraw_if_changed(self, rec: StepRecord, after: str) -> bool:
-        """Withdraw the committed state dict of ``rec`` if storage no longer holds the files its
-        manifest lists (True if it did), while the step's full checkpoint may still come.
-
-        Called on every failure of the step: a failed unit (which reports no files, but may have
-        replaced one before it failed: a writer that publishes two files, a ``save_fn`` that
-        writes and then raises), a full checkpoint that failed (its commit, or its timeout), and a
-        restart (``startup._resume``); a finished unit's report is checked against the same list in
-        :meth:`_finished`. Storage decides: every listed file is checksummed, which only happens
-        for a step whose state dict committed."""
-        gone = await self._changed_state_dict(rec)
-        if not gone:
-            return False
-        await self._revoke_state_dict(rec, self._withdrawn_because(rec, gone, after))
-        return True
-
-    async def _changed_state_dict(self, rec: StepRecord, entries: list[FileEntry] | None = None) -> list[str]:
-        """The files of the step's committed state dict (or of ``entries``, some of them) that
-        storage no longer holds as listed, while its full checkpoint may still come (else nothing
-        is checked). Meanwhile retention keeps the state dict without counting it (``checks``).
-        A read that storage refuses is retried, however long that takes: until the answer,
-        nothing is known of the files."""
-        rec[SD].checks += 1
-        try:
-            if self._ledger.state_of(rec.step, SD) is StepState.COMMITTING:
-                # The commit may have checked a file before it was replaced: look once it has ended.
-                await self.quiesce(rec.step)
-            tries = 0
-            while True:
-                try:
-                    if rec[SD].files_unknown:
-                        await self._read_back_committed(rec)
-                    if (self._ledger.state_of(rec.step, SD) is not StepState.COMMITTED
-                            or self._ledger.state_of(rec.step, CKPT) in (StepState.COMMITTED, StepState.COMMITTING)
-                            or not rec[SD].committed_files):
-                        return []
-                    listed = list(rec[SD].committed_files.values()) if entries is None else entries
-                    return await self._in_thread(self._committer.differs, rec.step, listed)
-                except Exception as e:
-                    tries += 1
-                    await self._back_off(tries, "check", e, f"step {rec.step}: could not check its committed state "
-                                         "dict against storage")
-        finally:
-            rec[SD].checks -= 1
-
-    @staticmethod
-    def _withdrawn_because(rec: StepRecord, gone: list[str], after: str) -> str:
-        return (f"{after}, and {gone[0]} of step {rec.step} is no longer what the step's committed state dict "
-                "lists (replaced since it committed): committed files must not change, so that state dict is "
-                "withdrawn. Write the full checkpoint's files under other names, or save into a new step")
+        if self._after_change_sync(rec):
+            # Answered once the failures are on storage (a restarted monitor then knows of them),
+            # not once they are reported: a full checkpoint's failure is reported after a check of
+            # its state dict, and any withdrawal that check sets off (see the withdrawal module).
+            await self._record_new_failures_in_background(rec)
+        return None if rec[uid.kind].state is StepState.FAILED else kept
 
 
 def _kept_without(rec: StepRecord, uid: UnitId) -> str | None:

@@ -648,7 +648,7 @@ def revoke_loops(monitor, step: int) -> list[int]:
 
 
 MONITOR_WORK = ("_resume", "_resume_step", "withdraw_if_changed", "_changed_state_dict", "_revoke_state_dict",
-                "_withdraw_manifest", "_commit", "_record_failure")
+                "_withdraw", "_withdraw_manifest", "_commit", "_record_failure")
 
 
 def busy_coroutines(monitor) -> list[str]:

@@ -1,0 +1,108 @@
+"""A withdrawal that storage refuses for a while does not hold back the worker that set it off.
+
+A unit of step 1's full checkpoint replaces a file of step 1's committed state dict, which
+withdraws that state dict. The withdrawal is retried until storage accepts the manifest's removal;
+it used to run inside the unit's report, so every later notification of that worker's process
+(one coordinator sends them in turn) waited behind it, and its other saves did not commit. Found
+by helper-83's attack (session 44)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import ray
+
+import ckptd
+
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    commit_one,
+    read_manifest,
+    revoke_loops,
+    tracker_of,
+    wait_for,
+    write_file,
+)
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+DEADLINE_S = 60.0
+SD = ckptd.Kind.STATE_DICT
+
+
+def _replace(weights: str) -> list[str]:
+    return write_file(weights, os.urandom(4096))  # reported: the "finished" report names the file
+
+
+def _replace_then_fail(weights: str) -> list[str]:
+    write_file(weights, os.urandom(4096))
+    raise OSError("the optimizer's file could not be written")  # reported as failed, with no files
+
+
+@pytest.mark.parametrize("unit", [_replace, _replace_then_fail], ids=["reported-finished", "reported-failed"])
+def test_a_withdrawal_storage_refuses_does_not_hold_back_the_workers_other_saves(make_monitor, tmp_path, unit):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(1)}/weights.bin"
+    coord.register(1, checkpoint_thread_count=1)
+    accepted = str(tmp_path / "accepted")
+    arm_in_monitor(monitor, "before_revoke", f"raise_until:{accepted}")
+    try:
+        coord.save_async("optimizer-1", lambda: unit(weights), 1)
+        wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "state dict 1's withdrawal refused, retried")
+        # The same worker saves step 2's state dict: it commits while storage still refuses the
+        # removal of step 1's manifest.
+        commit_one(coord, 2, "weights.bin", is_state_dict=True, timeout_s=DEADLINE_S / 2)
+        assert tracker_of(root, SD) == 2
+        assert read_manifest(root, 1, SD) is not None and any(revoke_loops(monitor, 1))
+        # Meanwhile state dict 1 is not answered as committed, nor its full checkpoint as failed:
+        # that waits until no manifest claims the replaced file.
+        for is_state_dict in (True, False):
+            with pytest.raises(TimeoutError, match="not committed within 1"):
+                coord.wait_committed(1, is_state_dict=is_state_dict, timeout_s=1)
+    finally:
+        arm_in_monitor(monitor, "before_revoke", None)
+        open(accepted, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(1, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError, match="committed files must not change|could not be written"):
+        coord.wait_all()
+    assert read_manifest(root, 1, SD) is None
+    assert tracker_of(root, SD) == 2
+    assert ray.get(monitor.__ray_call__.remote(lambda self: dict(self._withdrawals))) == {}
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def test_a_retried_report_of_the_unit_that_replaced_a_file_says_the_state_dict_was_withdrawn(make_monitor, tmp_path):
+    """The report of a unit that replaced a committed state dict's file withdraws that state dict;
+    its worker, which lost the answer, sends it again. The answer said the report was wrong
+    (storage no longer held what the withdrawn state dict listed, so the check found nothing
+    changed). Found by helper-85's attack (session 44)."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    unit = {"worker": "w1", "name": "optimizer", "step": 1, "kind": "checkpoint", "call": "w1-1"}
+    assert ray.get(monitor.notify_batch.remote([("started", unit, None)])) == [{"admitted": True}]
+    data = os.urandom(4096)
+    (path,) = write_file(f"{coord.step_dir(1)}/weights.bin", data)
+    entry = {"path": "weights.bin", "size": len(data), "crc32": f"{zlib.crc32(data):08x}",
+             "mtime_ns": os.stat(path).st_mtime_ns}
+    report = ("finished", unit, {"files": [entry], "found": False})
+    answers = [ray.get(monitor.notify_batch.remote([report]))[0] for _ in range(2)]
+    for answer in answers:
+        assert "committed files must not change, so that state dict is withdrawn" in answer["refused"], answer
+        assert "report is wrong" not in answer["refused"]
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) is None
+    coord.close()

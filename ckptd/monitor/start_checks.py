@@ -145,19 +145,24 @@ def state_dicts_in_flight(storage: Storage, scanned: dict[int, StepEntry], attem
         for step in protocol.recorded_steps(storage, attempt):
             entry = scanned.get(step)
             if entry is not None and entry.kinds == {SD} and step not in out and \
-                    _saving_into(storage, entry, protocol.load_step(storage, attempt, step)):
+                    _saving_into(storage, entry, attempt, protocol.load_step(storage, attempt, step)):
                 out.add(step)
     return frozenset(out)
 
 
-def _saving_into(storage: Storage, entry: StepEntry, records: protocol.PendingStep) -> bool:
-    """Whether ``records`` show a save into the step beyond its committed state dict: a full
-    checkpoint registered, or a registration or an admitted unit its manifest did not count (or a
-    manifest that does not say, or cannot be read: as if so)."""
+def _saving_into(storage: Storage, entry: StepEntry, attempt: int, records: protocol.PendingStep) -> bool:
+    """Whether ``records`` (of ``attempt``) show a save into the step beyond its committed state
+    dict: a full checkpoint registered, or a registration or an admitted unit its manifest did not
+    count (or a manifest that does not say, or cannot be read: as if so). Not the records of an
+    attempt older than the one that committed it: their saves ended before that commit, which
+    checksummed what they left, and a job's saves publish nothing once a newer one has started
+    (records a clean-up cut short left behind, helper-84)."""
     try:
         manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[SD]), advice=False)
     except CorruptCheckpointError:
         return True
+    if manifest is not None and manifest.attempt is not None and attempt < manifest.attempt:
+        return False
     if manifest is None or manifest.registrations is None:
         return True
     counted = set(manifest.registrations)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import ray
 
 import ckptd
 from ckptd import protocol
@@ -138,3 +139,33 @@ def test_a_new_job_leaves_a_state_dict_changed_outside_ckptd_as_it_is(make_monit
     assert read_manifest(root, changed, SD) is not None and os.path.exists(weights)
     with pytest.raises(ckptd.CorruptCheckpointError, match="weights.bin"):
         ckptd.verify(root, step=changed, kind="state_dict")
+
+
+def test_an_older_attempts_leftover_records_do_not_make_a_newer_jobs_state_dict_in_flight(make_monitor, tmp_path):
+    """The first job registered step 2's state dict and started a unit of it, and died; the second
+    job's start-up was cut short before it discarded those records, and the second job saved and
+    committed step 2's state dict itself (then 3). A file of step 2 is then changed outside
+    ckptd. The third job's start-up took the first job's records for a save still under way into
+    step 2 (they name a registration and a unit its manifest does not count), and withdrew it and
+    deleted the step. The step stays as it is, for its loaders to refuse (helper-84)."""
+    root = str(tmp_path / "ckpt")
+    first = make_monitor(root)
+    first_attempt = ray.get(first.ping.remote())["attempt"]
+    second = make_monitor(root, run="the-second-job", takeover=True)
+    coord = ckptd.CheckpointCoordinator(second, worker_id="w0")
+    for step in (2, 3):
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
+    coord.close()
+    storage = Storage(root)
+    protocol.write_registration(storage, first_attempt, protocol.Registration(
+        reg_id="first-job-2", step=2, counts={SD: 1}, monitored=SD, at=0.0))
+    protocol.write_started(storage, first_attempt, protocol.UnitId(
+        worker="w0", name="weights", step=2, kind=SD, call="first-job-w0-1"))
+    weights = f"{coord.step_dir(2)}/weights.bin"
+    write_file(weights, os.urandom(os.path.getsize(weights)))
+    make_monitor(root, run="the-third-job", takeover=True)
+    assert tracker_of(root, SD) == 3
+    assert_trackers_verified(root)
+    assert read_manifest(root, 2, SD) is not None and os.path.exists(weights)
+    with pytest.raises(ckptd.CorruptCheckpointError, match="weights.bin"):
+        ckptd.verify(root, step=2, kind="state_dict")

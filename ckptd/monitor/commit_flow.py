@@ -70,15 +70,6 @@ class CommitFlow:
             if rec[kind].state is StepState.FAILED and (rec.step, kind) not in self._failures_recorded:
                 await self._record_failure(rec, kind)
 
-    async def _record_new_failures_in_background(self, rec: StepRecord) -> None:
-        """Record the step's new failures in a task of their own (which reports them), and return
-        once each is on storage."""
-        events = [self._failures_on_storage.setdefault((rec.step, k), asyncio.Event()) for k in Kind
-                  if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
-        self._spawn(self._record_new_failures(rec))
-        for event in events:
-            await event.wait()
-
     def _failure_on_storage(self, key: tuple[int, Kind]) -> None:
         event = self._failures_on_storage.pop(key, None)
         if event is not None:
@@ -106,6 +97,7 @@ class CommitFlow:
         new = [k for k in Kind if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
         for kind in new:
             self._failure_writes.setdefault((rec.step, kind), asyncio.Event())
+            self._failures_on_storage.setdefault((rec.step, kind), asyncio.Event())
         return bool(new)
 
     async def durable(self, step: int) -> None:
@@ -114,6 +106,17 @@ class CommitFlow:
         state dict was checked: only then may anyone be told."""
         for kind in Kind:
             event = self._failure_writes.get((step, kind))
+            if event is not None:
+                await event.wait()
+
+    async def on_storage(self, step: int) -> None:
+        """Wait until the failures of ``step`` known in memory are recorded in storage, whether or
+        not they are reported yet (:meth:`durable`): enough to refuse a unit, or to answer one's
+        report. A full checkpoint's failure is reported only once its state dict is checked, and
+        withdrawn if a file of it changed, which storage may hold up for long: meanwhile the state
+        dict's failure record keeps ckptd's readers off it, and a restarted monitor fails both."""
+        for kind in Kind:
+            event = self._failures_on_storage.get((step, kind))
             if event is not None:
                 await event.wait()
 
@@ -258,7 +261,11 @@ class CommitFlow:
                 self._pending_failures(rec)
                 await self._committed(rec, [k for k in kinds if k in plan.published], plan, times, t0)
             if isinstance(e, CommitCheckError) and e.committed_changed and self._ledger.is_committed(rec.step, SD):
-                await self._revoke_state_dict(rec, reason)
+                # Begun, not awaited to its end: the step stays "being committed" (no admission
+                # answered) until this returns. The full checkpoint's failure, recorded next,
+                # is reported once the withdrawal has ended.
+                await self._begin_withdrawal(rec, f"{reason} (the step's state dict listed that file, so it is "
+                                              "withdrawn)")
             return
         await self._committed(rec, kinds, plan, times, t0)
 

@@ -143,7 +143,7 @@ class UnitReports:
                 await self._failed(uid, UnitFailure(unit=uid.label, error_type="FencedError",
                                                     message=f"not admitted: {fenced}"))
             if why is not None:
-                await self.durable(uid.step)  # "already failed" is said only once it is recorded
+                await self.on_storage(uid.step)  # "already failed" is said only once it is recorded
         if why is not None and restored:
             # Refused: the worker removes its receipt once told, but this report may be a late
             # copy (through a relay, after the worker timed out) that nobody waits for.
@@ -294,7 +294,8 @@ class UnitReports:
             # Answered once the failures are on storage (a restarted monitor then knows of them),
             # not once they are reported: a full checkpoint's failure is reported after a check of
             # its state dict, and any withdrawal that check sets off (see the withdrawal module).
-            await self._record_new_failures_in_background(rec)
+            self._spawn(self._record_new_failures(rec))
+            await self.on_storage(rec.step)
         return None if rec[uid.kind].state is StepState.FAILED else kept
 
 

@@ -49,6 +49,8 @@ FAILPOINTS: dict[str, str] = {
     "settle_remove": "monitor: settling an uncertain publish could not sync it, before taking it back",
     "before_failure_record": "monitor: a step failed, before its failure record is written",
     "before_fence_look": "monitor: a periodic look for a newer attempt on the root, before it lists the attempts",
+    "state_dict_check": ("monitor: a committed state dict's files are about to be checksummed against its manifest "
+                         "(a step failed while its full checkpoint could still come, or a restart found it in flight)"),
     "before_revoke": "monitor: a committed state dict whose files changed is withdrawn, before its tracker moves back",
     "before_revoke_rm": "monitor: a withdrawal pointed the tracker back, before the manifest goes",
     "before_lease_record_removed": "monitor: a read lease was released, before its record under the root is deleted",

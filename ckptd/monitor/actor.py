@@ -156,7 +156,7 @@ class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publicati
         # before anything can commit them.
         self._ledger.expire(time.time())
         self._hold_failures(rebuilt.steps, rebuilt.failures)
-        self._spawn(self._resume(rebuilt.steps))
+        self._spawn(self._resume(rebuilt.steps, rebuilt.withdrawals))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_event_loop().create_task(coro)

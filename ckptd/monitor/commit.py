@@ -250,6 +250,7 @@ class Committer(StepChecks):
 
     def differs(self, step: int, entries: list[FileEntry]) -> list[str]:
         """The paths (relative to the step) whose bytes on storage are not what ``entries`` say."""
+        failpoints.hit("state_dict_check")
         return changed_files(self.storage, find_step_dir(self.storage, step, self.template) or "", entries)
 
     def registered_before(self, step: int, reg_id: str) -> bool:

@@ -13,7 +13,7 @@ from ckptd.config import Kind
 from ckptd.layout import StepEntry, Trusted, read_tracker, scan_steps
 from ckptd.manifest import Manifest
 from ckptd.monitor.commit import Committer
-from ckptd.monitor.ledger import SD, StepLedger, StepRecord
+from ckptd.monitor.ledger import SD, StepLedger, StepRecord, StepState
 from ckptd.monitor.start_checks import newest_steps, start_manifests, state_dicts_in_flight
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -28,6 +28,9 @@ class Rebuilt:
     failures: set[tuple[int, Kind]] = field(default_factory=set)  # recorded in storage already
     settled: list[int] = field(default_factory=list)  # committed steps whose records can go
     scanned: dict[int, StepEntry] = field(default_factory=dict)  # the step directories found
+    # State dicts whose failure is recorded while their manifest is still there: a withdrawal a
+    # restart cut short (its failure is recorded first), which the start-up finishes; the reasons.
+    withdrawals: dict[int, str] = field(default_factory=dict)
 
 
 def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: StepLedger,
@@ -67,6 +70,12 @@ def rebuild(storage: Storage, template: StepDirTemplate, attempt: int, ledger: S
             continue
         rec.first_seen = min(rec.first_seen, pending.first_seen() or now)
         for kind, reason in pending.failure_reasons.items():
+            if kind is SD and rec[SD].state is StepState.COMMITTED:
+                # Not settled, either way, until the manifest is gone: no wait may answer
+                # "committed" meanwhile (ckptd's readers already pass over it), and retention
+                # keeps it without counting it.
+                rec[SD].withdrawing = True
+                out.withdrawals[pending.step] = reason
             ledger.fail_kind(rec, kind, reason)
             out.failures.add((pending.step, kind))
             recorded_failed.add((pending.step, kind))

@@ -30,13 +30,14 @@ class Startup:
         for rec in steps:
             self._pending_failures(rec)
 
-    async def _resume(self, steps: list[StepRecord]) -> None:
+    async def _resume(self, steps: list[StepRecord], withdrawals: dict[int, str]) -> None:
         """The steps in flight when this monitor started. A committed state dict whose full
         checkpoint was under way may have had a file replaced since it committed (by a unit, or
-        by anything else), and the last monitor may have died withdrawing it: its files are
-        checked again (see ``withdraw_if_changed``), and retention's first pass waits for these
-        checks, so that it never counts a stale state dict among those it keeps."""
-        stale: dict[int, list[str]] = {}
+        by anything else): its files are checked again (see ``withdraw_if_changed``), and
+        retention's first pass waits for these checks, so that it never counts a stale state
+        dict among those it keeps. The last monitor may have died withdrawing one (its failure
+        is recorded, ``withdrawals``, with the reasons): that withdrawal is finished."""
+        stale: dict[int, str] = {}
 
         async def check(rec: StepRecord) -> None:
             try:
@@ -46,12 +47,13 @@ class Startup:
                 return
             if gone:
                 rec[SD].withdrawing = True  # before retention's pass: kept, not counted
-                stale[rec.step] = gone
+                stale[rec.step] = self._withdrawn_because(rec, gone,
+                                                          "the step was in flight when the monitor restarted")
 
-        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec)))
+        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec) and rec.step not in withdrawals))
         self._retention.release()
         for rec in steps:
-            self._spawn(self._resume_step(rec, stale.get(rec.step)))
+            self._spawn(self._resume_step(rec, withdrawals.get(rec.step) or stale.get(rec.step)))
 
     def _touched(self, rec: StepRecord) -> bool:
         """Whether a unit or the full checkpoint of the step may have changed its committed state
@@ -60,12 +62,17 @@ class Startup:
             u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
             for u in rec.units.values())
 
-    async def _resume_step(self, rec: StepRecord, gone: list[str] | None) -> None:
-        """Withdraw the step's state dict if its check found files ``gone``, release its held
+    async def _resume_step(self, rec: StepRecord, withdrawn: str | None) -> None:
+        """Withdraw the step's state dict if it must be (``withdrawn``: why), release its held
         failure, and go on as after any change (commits, failures to record)."""
-        if gone:
-            await self._revoke_state_dict(rec, self._withdrawn_because(
-                rec, gone, "the step was in flight when the monitor restarted"))
+        if withdrawn is not None:
+            withdrawal = await self._begin_withdrawal(rec, withdrawn)
+            if self._pending_failures(rec):
+                # Recorded now, not once the withdrawal ends (storage may refuse it for long): a
+                # unit of the step is refused once they are (on_storage), and they are reported
+                # once it has ended (_record_failure joins it).
+                self._spawn(self._record_new_failures(rec))
+            await asyncio.shield(withdrawal)
         held = (rec.step, CKPT)
         if held in self._held_failures:
             self._held_failures.discard(held)

@@ -141,6 +141,8 @@ class Withdrawals:
         else:  # still withdrawing (retention keeps it uncounted) until the fence is lifted
             self._defer_withdrawal(rec)
         self._ledger.fail_kind(rec, SD, reason, force=True)
+        if (rec.step, SD) in self._failures_durable:
+            self._wake(rec.step, SD)  # recorded before a restart: nothing below reports it again
         # Ended: a failure recorded below (its full checkpoint's) checks the state dict, which no
         # longer reads as committed, rather than joining this task.
         self._withdrawals.pop(rec.step, None)

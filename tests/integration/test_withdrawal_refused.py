@@ -16,12 +16,16 @@ import pytest
 import ray
 
 import ckptd
+from ckptd import protocol
+from ckptd.storage import Storage
 
 from .helpers import (
     arm_in_monitor,
     assert_trackers_verified,
     commit_one,
+    failpoint_env,
     read_manifest,
+    restart_monitor,
     revoke_loops,
     tracker_of,
     wait_for,
@@ -117,4 +121,86 @@ def test_a_retried_report_of_the_unit_that_replaced_a_file_says_the_state_dict_w
     with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
         coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
     assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) is None
+    coord.close()
+
+
+def _left_behind(monitor) -> tuple[dict, dict]:
+    return ray.get(monitor.__ray_call__.remote(lambda self: (dict(self._withdrawals), dict(self._failures_on_storage))))
+
+
+def test_a_monitor_restarted_during_a_refused_withdrawal_never_answers_that_state_dict_committed(
+        make_monitor, tmp_path):
+    """The monitor dies while storage refuses the removal of state dict 1's manifest (its failure
+    is recorded). The restarted monitor found the manifest, counted the state dict committed, and
+    answered waits so until its check of the files (here slowed) found them changed; and once the
+    withdrawal ended, a wait begun meanwhile was not woken (the failure was recorded before the
+    restart, so nothing reported it again). Found by helper-87's attack."""
+    root = str(tmp_path / "ckpt")
+    accepted = str(tmp_path / "accepted")
+    monitor = make_monitor(root, runtime_env=failpoint_env(f"before_revoke=raise_until:{accepted},"
+                                                           "state_dict_check=delay:5"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    try:
+        coord.save_async("optimizer-1", lambda: _replace(f"{coord.step_dir(1)}/weights.bin"), 1)
+        wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "state dict 1's withdrawal refused, retried")
+        restart_monitor(monitor, how="sigkill")
+        answer = ray.get(monitor.wait_committed.remote(1, "state_dict", 0.5))
+        assert not answer["committed"] and answer["cause"] is None, answer
+        waiting = monitor.wait_committed.remote(1, "state_dict", 2 * DEADLINE_S)
+        wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "the restarted monitor's withdrawal retried")
+        assert ckptd.latest_step(root, "state_dict") is None
+    finally:
+        open(accepted, "w").close()
+    answer = ray.get(waiting, timeout=DEADLINE_S)
+    assert not answer["committed"] and "withdrawn" in answer["cause"], answer
+    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) is None
+    assert _left_behind(monitor) == ({}, {})
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
+    coord.close()
+
+
+def test_a_monitor_restarted_before_it_heard_of_a_failure_refuses_the_steps_units_while_storage_refuses(
+        make_monitor, tmp_path):
+    """A unit of step 1's full checkpoint replaces a file of state dict 1, fails, and writes its
+    failure receipt; the monitor dies before the unit's report reaches it (nor is it sent again:
+    its worker is gone). The restarted monitor finds the file changed and withdraws the state dict,
+    which storage refuses; it recorded the checkpoint's failure only once the withdrawal had ended,
+    so a unit of step 1 another worker started meanwhile waited for it, and with it that worker's
+    save of step 2. Found by helper-87's attack."""
+    root = str(tmp_path / "ckpt")
+    accepted = str(tmp_path / "accepted")
+    monitor = make_monitor(root, runtime_env=failpoint_env(f"before_revoke=raise_until:{accepted}"))
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    gone = {"worker": "w1", "name": "optimizer", "step": 1, "kind": "checkpoint", "call": "w1-1"}
+    assert ray.get(monitor.notify_batch.remote([("started", gone, None)])) == [{"admitted": True}]
+    write_file(f"{coord.step_dir(1)}/weights.bin", os.urandom(4096))
+    protocol.write_failed(Storage(root), ray.get(monitor.ping.remote())["attempt"], protocol.UnitId.from_dict(gone),
+                          protocol.UnitFailure(unit="w1/optimizer", error_type="OSError", message="disk full"))
+    restart_monitor(monitor, how="sigkill")
+    try:
+        wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "the restarted monitor's withdrawal retried")
+        ran = []
+        coord.save_async("late-1", lambda: ran.append(1), 1)
+        commit_one(coord, 2, "weights.bin", is_state_dict=True, timeout_s=DEADLINE_S / 2)
+        assert tracker_of(root, SD) == 2 and ran == []
+        assert read_manifest(root, 1, SD) is not None and any(revoke_loops(monitor, 1))
+        for is_state_dict in (True, False):  # reported once the withdrawal has ended
+            with pytest.raises(TimeoutError, match="not committed within 1"):
+                coord.wait_committed(1, is_state_dict=is_state_dict, timeout_s=1)
+    finally:
+        open(accepted, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError, match="disk full"):
+        coord.wait_committed(1, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError, match="step 1"):
+        coord.wait_all()
+    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) == 2
+    assert _left_behind(monitor) == ({}, {})
+    assert_trackers_verified(root)
     coord.close()

@@ -28,7 +28,7 @@ from ckptd.errors import CheckpointError
 from ckptd.fencing import AttemptRecord, attempts_dir, list_attempts
 from ckptd.layout import MANIFESTS, foreign_dirs, listed_files, scan_steps
 from ckptd.manifest import changed_files, is_internal, read_manifest
-from ckptd.monitor.start_checks import state_dicts_in_flight
+from ckptd.monitor.start_checks import state_dicts_in_flight, withdrawals_cut_short
 from ckptd.protocol import attempt_pending_dir, pending_attempts, recorded_steps
 from ckptd.storage import Storage
 from ckptd.template import StepDirTemplate
@@ -97,12 +97,13 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
     steps with a committed state dict (whose files outside that manifest go). Committed files are
     never touched, and neither are step directories ckptd has no trace of, nor those the root held
     before ckptd first used it (another tool's: :func:`ckptd.layout.foreign_dirs`), even where an
-    older attempt left records of a refused save or a registration for their step numbers. The one
-    exception: a state dict committed in a step an older attempt was still saving into
+    older attempt left records of a refused save or a registration for their step numbers. The
+    exceptions: a state dict committed in a step an older attempt was still saving into
     (:func:`~ckptd.monitor.start_checks.state_dicts_in_flight`), whose
     listed files storage no longer holds (a unit replaced one, and its monitor did not live to
-    withdraw the state dict), is not committed any more: its manifest goes, and the step is
-    cleaned as uncommitted.
+    withdraw the state dict), and one whose withdrawal an older attempt began and did not end
+    (:func:`~ckptd.monitor.start_checks.withdrawals_cut_short`), are not committed any more:
+    the manifest goes, and the step is cleaned as uncommitted.
     """
     removed = []
     touched: set[int] = set()
@@ -112,13 +113,16 @@ def clean_up_older_attempts(storage: Storage, attempt: int, template: StepDirTem
     foreign = foreign_dirs(storage) or set()
     scanned = scan_steps(storage, template)
     saving_into = state_dicts_in_flight(storage, scanned, older)
+    cut_short = withdrawals_cut_short(storage, scanned, older)
     for step, entry in sorted(scanned.items()):
         if Kind.CHECKPOINT in entry.kinds or not (entry.kinds or step in touched) or entry.name in foreign:
             continue
         path = storage.join(entry.name)
-        if step in saving_into and _stale_state_dict(storage, entry.name):
+        why = ("its withdrawal was cut short" if step in cut_short else
+               "a file it lists changed" if step in saving_into and _stale_state_dict(storage, entry.name) else None)
+        if why is not None:
             storage.rm(f"{path}/{MANIFESTS[Kind.STATE_DICT]}")
-            removed.append(f"{entry.name}/{MANIFESTS[Kind.STATE_DICT]} (a file it lists changed)")
+            removed.append(f"{entry.name}/{MANIFESTS[Kind.STATE_DICT]} ({why})")
             entry = type(entry)(entry.step, entry.name, frozenset())
         if not entry.kinds:
             storage.rm(path)

@@ -14,7 +14,7 @@ from ckptd.fencing import AttemptRecord, current_attempt, list_attempts, read_at
 from ckptd.layout import LEDGER_DIR, check_template, record_template, scan_steps
 from ckptd.monitor.actor import monitor_actor_class
 from ckptd.monitor.attempts import open_attempt
-from ckptd.monitor.start_checks import start_manifests, state_dicts_in_flight
+from ckptd.monitor.start_checks import start_manifests, state_dicts_in_flight, withdrawals_cut_short
 from ckptd.protocol import actor_name, monitor_actor, pending_attempts
 from ckptd.shared_root import check_writable, remove_probe, where_am_i, write_probe
 from ckptd.storage import Storage, explains_credentials
@@ -89,9 +89,12 @@ def start_monitor(
     if existing is not None:
         return _attach(existing, storage, root_url, run, opts)
     # What the actor's start-up reads, and the files of the steps its trackers will name: damaged,
-    # or changed outside ckptd? A state dict an older attempt was still saving into is its clean-up's.
+    # or changed outside ckptd? A state dict an older attempt was still saving into, or had begun
+    # to withdraw, is its clean-up's.
     scanned = scan_steps(storage, template)
-    start_manifests(storage, scanned, cleaned=state_dicts_in_flight(storage, scanned, pending_attempts(storage)))
+    attempts = pending_attempts(storage)
+    start_manifests(storage, scanned, cleaned=state_dicts_in_flight(storage, scanned, attempts)
+                    | withdrawals_cut_short(storage, scanned, attempts))
     live = _live_to_take_over(storage, takeover)  # refused here without takeover=True
     fresh = [s for s in (storage, mirror) if s is not None and not s.exists(s.join(LEDGER_DIR))]
     # The driver's shared-root probe is also the check that the root can be written at all.

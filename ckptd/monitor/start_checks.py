@@ -150,6 +150,31 @@ def state_dicts_in_flight(storage: Storage, scanned: dict[int, StepEntry], attem
     return frozenset(out)
 
 
+def withdrawals_cut_short(storage: Storage, scanned: dict[int, StepEntry], attempts: list[int]) -> frozenset[int]:
+    """The steps with a committed state dict alone whose failure one of ``attempts`` recorded
+    while the manifest stayed: a withdrawal a crash (or a refusal by storage until the job ended)
+    cut short. Its job said the state dict was withdrawn, and readers passed over it by that
+    record; it stays withdrawn, whatever its files hold now (helper-88: the bytes put back, a
+    new job's start-up discarded the record and counted the state dict again). Not a failure
+    an attempt older than the one that committed the manifest recorded: that one is not about
+    it."""
+    out: set[int] = set()
+    for attempt in attempts:
+        for step in protocol.recorded_steps(storage, attempt):
+            entry = scanned.get(step)
+            if entry is None or entry.kinds != {SD} or step in out:
+                continue
+            if SD not in protocol.load_step(storage, attempt, step).failure_reasons:
+                continue
+            try:
+                manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[SD]), advice=False)
+            except CorruptCheckpointError:
+                manifest = None  # the clean-up withdraws it as it does a changed one
+            if manifest is None or manifest.attempt is None or attempt >= manifest.attempt:
+                out.add(step)
+    return frozenset(out)
+
+
 def _saving_into(storage: Storage, entry: StepEntry, attempt: int, records: protocol.PendingStep) -> bool:
     """Whether ``records`` (of ``attempt``) show a save into the step beyond its committed state
     dict: a full checkpoint registered, or a registration or an admitted unit its manifest did not

@@ -20,6 +20,8 @@ from .helpers import (
     commit_one,
     held_at,
     read_manifest,
+    revoke_loops,
+    start_new_job,
     tracker_of,
     wait_for,
     write_file,
@@ -169,3 +171,33 @@ def test_an_older_attempts_leftover_records_do_not_make_a_newer_jobs_state_dict_
     assert read_manifest(root, 2, SD) is not None and os.path.exists(weights)
     with pytest.raises(ckptd.CorruptCheckpointError, match="weights.bin"):
         ckptd.verify(root, step=2, kind="state_dict")
+
+
+def test_a_new_job_keeps_a_state_dict_the_old_job_withdrew_withdrawn_though_its_bytes_are_back(
+        make_monitor, tmp_path):
+    """The old job withdraws state dict 1 (a unit of its full checkpoint replaced its file; the
+    worker is told it is withdrawn, and readers pass over it by its failure record), but storage
+    refuses the manifest's removal until the job ends. Then the file gets its old bytes back (a
+    retry, a restore). The new job's start-up removed the manifest only when a listed file had
+    changed: it discarded the old job's records, the failure with them, and counted state dict 1
+    committed again, the tracker with it. Found by helper-88's attack."""
+    root = str(tmp_path / "ckpt")
+    old = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(old, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(1)}/weights.bin"
+    before = open(weights, "rb").read()
+    coord.register(1, checkpoint_thread_count=1)
+    arm_in_monitor(old, "before_revoke", f"raise_until:{tmp_path / 'never'}")
+    coord.save_async("optimizer-1", lambda: write_file(weights, os.urandom(len(before))), 1)
+    wait_for(lambda: any(revoke_loops(old, 1)), DEADLINE_S, "state dict 1's withdrawal refused, retried")
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_all()
+    assert ckptd.latest_step(root, "state_dict") is None
+    coord.close()
+    write_file(weights, before)
+    new = start_new_job(make_monitor, root, old)
+    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) is None
+    assert ckptd.latest_step(root, "state_dict") is None
+    answer = ray.get(new.wait_committed.remote(1, "state_dict", 1))
+    assert not answer["committed"], answer

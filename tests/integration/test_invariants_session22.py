@@ -224,16 +224,16 @@ def test_i4_commits_while_a_withdrawal_is_retried(make_monitor, tmp_path, run_na
         arm_in_monitor(monitor, "before_revoke", None)
     err = ray.get(rw.wait_all.remote())
     assert err is not None and "withdrawn" in err, err
+    with pytest.raises(ckptd.CheckpointSaveError):  # answered once the withdrawal has ended
+        coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_committed(3, timeout_s=DEADLINE_S)
     assert read_manifest(root, 3, SD) is None
     want = {"older": {CKPT: 2, SD: 2}, "newer": {CKPT: 5, SD: 5}, "delayed": {CKPT: 2, SD: 4}}[meanwhile]
     assert assert_trackers_verified(root) == want
     other = 1 if meanwhile == "older" else 4
     assert read_manifest(root, other, SD) is not None
     ckptd.verify(root, other)
-    with pytest.raises(ckptd.CheckpointSaveError):
-        coord.wait_committed(3, timeout_s=DEADLINE_S)
-    with pytest.raises(ckptd.CheckpointSaveError):
-        coord.wait_committed(3, is_state_dict=True, timeout_s=DEADLINE_S)
     coord.close()
 
 
@@ -243,7 +243,9 @@ def test_i4_commits_while_a_withdrawal_is_retried(make_monitor, tmp_path, run_na
 def test_i2_two_units_and_a_duplicate_report_during_a_retried_withdrawal(make_monitor, tmp_path, run_name):
     """Two checkpoint units of step 3 replace the two files of its committed state dict (one
     reports its file, the other fails after writing), and the first unit's report arrives a
-    second time, all while storage refuses the withdrawal; then the monitor is SIGKILLed."""
+    second time, all while storage refuses the withdrawal; then the monitor is SIGKILLed. The
+    later reports join the withdrawal under way (one per step), and every report is answered
+    while storage still refuses it."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
@@ -255,24 +257,23 @@ def test_i2_two_units_and_a_duplicate_report_during_a_retried_withdrawal(make_mo
         ray.get(rw1.rewrite.remote(3, "optim.safetensors", "reports"))
         wait_for(lambda: revoke_loops(monitor, 3), what="the first withdrawal")
         ray.get(rw2.rewrite.remote(3, "optim.state.json", "fails"))
-        wait_for(lambda: len(revoke_loops(monitor, 3)) == 2, what="the second withdrawal")
+        assert ray.get(rw2.wait_all.remote(), timeout=DEADLINE_S) is not None
         # The first unit's report again, as a relay's fallback sends it straight to the monitor.
         body = unit_receipt(root, ray.get(monitor.ping.remote())["attempt"], 3, "w1")
         assert body is not None and body["status"] == "finished"
         dup = monitor.notify_batch.remote([("finished", body["unit"], {"files": body["files"],
                                                                         "found": body["found"]})])
-        wait_for(lambda: len(revoke_loops(monitor, 3)) == 3, what="the duplicate's withdrawal")
+        assert "withdrawn" in ray.get(dup, timeout=DEADLINE_S)[0]["refused"]
+        assert "withdrawn" in ray.get(rw1.wait_all.remote(), timeout=DEADLINE_S)
+        assert len(revoke_loops(monitor, 3)) == 1  # one withdrawal, still refused
         assert read_manifest(root, 3, SD) is not None
     finally:
         arm_in_monitor(monitor, "before_revoke", None)
-    assert "refused" in ray.get(dup, timeout=DEADLINE_S)[0]
-    assert "withdrawn" in ray.get(rw1.wait_all.remote())
-    assert ray.get(rw2.wait_all.remote()) is not None
-    assert read_manifest(root, 3, SD) is None and read_manifest(root, 3, CKPT) is None
-    assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
-    for is_sd in (False, True):
+    for is_sd in (True, False):  # answered once the withdrawal has ended
         with pytest.raises(ckptd.CheckpointSaveError):
             coord.wait_committed(3, is_state_dict=is_sd, timeout_s=DEADLINE_S)
+    assert read_manifest(root, 3, SD) is None and read_manifest(root, 3, CKPT) is None
+    assert assert_trackers_verified(root) == {CKPT: 2, SD: 2}
     # I3: after a SIGKILL the step is still failed, and nothing of it commits.
     restart_monitor(monitor, how="sigkill")
     for is_sd in (False, True):

@@ -187,6 +187,8 @@ def test_a_state_dict_withdrawn_while_it_goes_up_to_the_mirror_is_not_committed_
         go.set()
         with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
             coord.wait_all()
+        with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):  # answered once it has ended
+            coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
         assert read_manifest(root, 2, SD) is None and tracker_of(root, SD) == 1
     finally:
         open(gate, "w").close()
@@ -221,6 +223,8 @@ def test_a_state_dict_withdrawn_while_its_mirror_manifest_write_is_retried_is_no
         go.set()
         with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
             coord.wait_all()
+        with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):  # answered once it has ended
+            coord.wait_committed(2, is_state_dict=True, timeout_s=DEADLINE_S)
         assert read_manifest(root, 2, SD) is None
     finally:
         open(held, "w").close()

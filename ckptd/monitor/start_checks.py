@@ -10,6 +10,7 @@ a problem is logged, and the trackers keep away from the step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ckptd import protocol
 from ckptd.config import Kind
@@ -140,14 +141,7 @@ def state_dicts_in_flight(storage: Storage, scanned: dict[int, StepEntry], attem
     change made outside ckptd. A step whose records show only what its state dict counted (every
     save of it done, no full checkpoint registered) is not one: its files change only outside
     ckptd, and it stays as it is (helper-83: a new job's start-up deleted such a step)."""
-    out: set[int] = set()
-    for attempt in attempts:
-        for step in protocol.recorded_steps(storage, attempt):
-            entry = scanned.get(step)
-            if entry is not None and entry.kinds == {SD} and step not in out and \
-                    _saving_into(storage, entry, attempt, protocol.load_step(storage, attempt, step)):
-                out.add(step)
-    return frozenset(out)
+    return _recorded_state_dicts(storage, scanned, attempts, _saving_into)
 
 
 def withdrawals_cut_short(storage: Storage, scanned: dict[int, StepEntry], attempts: list[int]) -> frozenset[int]:
@@ -155,24 +149,34 @@ def withdrawals_cut_short(storage: Storage, scanned: dict[int, StepEntry], attem
     while the manifest stayed: a withdrawal a crash (or a refusal by storage until the job ended)
     cut short. Its job said the state dict was withdrawn, and readers passed over it by that
     record; it stays withdrawn, whatever its files hold now (helper-88: the bytes put back, a
-    new job's start-up discarded the record and counted the state dict again). Not a failure
-    an attempt older than the one that committed the manifest recorded: that one is not about
-    it."""
+    new job's start-up discarded the record and counted the state dict again)."""
+    return _recorded_state_dicts(storage, scanned, attempts, _withdrawing)
+
+
+def _recorded_state_dicts(storage: Storage, scanned: dict[int, StepEntry], attempts: list[int],
+                          which: Callable[[Storage, StepEntry, int, protocol.PendingStep], bool]) -> frozenset[int]:
+    """The steps with a committed state dict alone for which the records of one of ``attempts``
+    show ``which``."""
     out: set[int] = set()
     for attempt in attempts:
         for step in protocol.recorded_steps(storage, attempt):
             entry = scanned.get(step)
-            if entry is None or entry.kinds != {SD} or step in out:
-                continue
-            if SD not in protocol.load_step(storage, attempt, step).failure_reasons:
-                continue
-            try:
-                manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[SD]), advice=False)
-            except CorruptCheckpointError:
-                manifest = None  # the clean-up withdraws it as it does a changed one
-            if manifest is None or manifest.attempt is None or attempt >= manifest.attempt:
+            if entry is not None and entry.kinds == {SD} and step not in out and \
+                    which(storage, entry, attempt, protocol.load_step(storage, attempt, step)):
                 out.add(step)
     return frozenset(out)
+
+
+def _withdrawing(storage: Storage, entry: StepEntry, attempt: int, records: protocol.PendingStep) -> bool:
+    """Whether ``records`` (of ``attempt``) hold a failure of the step's committed state dict: not
+    one an attempt older than the one that committed the manifest recorded (about another try)."""
+    if SD not in records.failure_reasons:
+        return False
+    try:
+        manifest = read_manifest(storage, storage.join(entry.name, MANIFESTS[SD]), advice=False)
+    except CorruptCheckpointError:
+        return True  # the clean-up withdraws it as it does a changed one
+    return manifest is None or manifest.attempt is None or attempt >= manifest.attempt
 
 
 def _saving_into(storage: Storage, entry: StepEntry, attempt: int, records: protocol.PendingStep) -> bool:

@@ -92,8 +92,8 @@ class CommitFlow:
 
     def _pending_failures(self, rec: StepRecord) -> bool:
         """Whether the step has a failure not recorded yet (then :meth:`_record_new_failures`
-        must run); from now on :meth:`durable` waits for it, even before the task that records
-        it has started."""
+        must run); from now on :meth:`durable` and :meth:`on_storage` wait for it, even before the
+        task that records it has started."""
         new = [k for k in Kind if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
         for kind in new:
             self._failure_writes.setdefault((rec.step, kind), asyncio.Event())
@@ -104,10 +104,7 @@ class CommitFlow:
         """Wait until the failures of ``step`` known in memory are recorded in storage (a monitor
         restarted before that would not know of them) and, for a full checkpoint, its committed
         state dict was checked: only then may anyone be told."""
-        for kind in Kind:
-            event = self._failure_writes.get((step, kind))
-            if event is not None:
-                await event.wait()
+        await _all_set(self._failure_writes, step)
 
     async def on_storage(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage, whether or
@@ -115,10 +112,7 @@ class CommitFlow:
         report. A full checkpoint's failure is reported only once its state dict is checked, and
         withdrawn if a file of it changed, which storage may hold up for long: meanwhile the state
         dict's failure record keeps ckptd's readers off it, and a restarted monitor fails both."""
-        for kind in Kind:
-            event = self._failures_on_storage.get((step, kind))
-            if event is not None:
-                await event.wait()
+        await _all_set(self._failures_on_storage, step)
 
     def _write_failure(self, step: int, kind: Kind, reason: str) -> None:
         failpoints.hit("before_failure_record")
@@ -406,3 +400,11 @@ class CommitFlow:
             protocol.remove_step_records(self._storage, self._attempt, step)
         except Exception as e:
             log.warning("could not remove ledger records of step %d: %s", step, e)
+
+
+async def _all_set(events: dict[tuple[int, Kind], asyncio.Event], step: int) -> None:
+    """Wait until the events of ``step`` (one per kind, where there is one) are set."""
+    for kind in Kind:
+        event = events.get((step, kind))
+        if event is not None:
+            await event.wait()

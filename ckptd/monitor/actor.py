@@ -43,7 +43,7 @@ from ckptd.monitor.startup import Startup
 from ckptd.monitor.status import build_status
 from ckptd.monitor.unit_reports import UnitReports, slot_key
 from ckptd.monitor.waits import Waits
-from ckptd.monitor.withdrawal import Withdrawals
+from ckptd.monitor.withdrawal import Withdrawal, Withdrawals
 from ckptd.protocol import Registration, UnitId
 from ckptd.shared_root import probe_visible, unshared_message, where_am_i
 from ckptd.storage import Storage
@@ -90,7 +90,8 @@ class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publicati
         self._arrived: dict[int, asyncio.Event] = {}  # set once a step has none arriving any more
         self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failure records being written
         self._failures_on_storage: dict[tuple[int, Kind], asyncio.Event] = {}  # awaited by a unit's report
-        self._withdrawals: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}  # state dicts being withdrawn
+        self._withdrawals: dict[int, Withdrawal] = {}  # state dicts being withdrawn
+        self._cut_short: dict[int, str] = {}  # withdrawals a restart found recorded, and why (Rebuilt)
         self._tracker_lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptd-monitor-io")
         self._tasks: set[asyncio.Task] = set()
@@ -156,6 +157,7 @@ class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publicati
         # before anything can commit them.
         self._ledger.expire(time.time())
         self._hold_failures(rebuilt.steps, rebuilt.failures)
+        self._cut_short = dict(rebuilt.withdrawals)
         self._spawn(self._resume(rebuilt.steps, rebuilt.withdrawals))
 
     def _spawn(self, coro) -> None:
@@ -273,14 +275,19 @@ class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publicati
 
     async def _failure_for(self, reg: Registration, kinds: set[Kind] | None = None) -> dict | None:
         """The error to answer a registration with if one of ``kinds`` (by default those it
-        concerns) failed, once that failure is recorded."""
-        await self.durable(reg.step)
+        concerns) failed, once that failure is recorded on storage: not once it is reported
+        (:meth:`on_storage`), which for a full checkpoint waits for its state dict's check, and
+        any withdrawal that sets off. A state dict being withdrawn counts as failed."""
+        await self.on_storage(reg.step)
         kinds = self._ledger.kinds_concerned(reg) if kinds is None else kinds
         for kind in sorted(kinds, key=lambda k: k is not reg.monitored):
             undecided = self._undecided_cause(reg.step, kind)
             if undecided is not None:  # never "failed": a newer job may commit it
                 return {"error": {"type": "CheckpointError", "message": undecided}}
             failure = self._ledger.failure_of(reg.step, kind)
+            if failure is None and kind is Kind.STATE_DICT:
+                withdrawn = await self.withdrawn_because(reg.step)
+                failure = None if withdrawn is None else (None, withdrawn)
             if failure is not None:
                 unit, cause = failure
                 return {"error": {"type": "CheckpointSaveError", "step": reg.step, "kind": kind.value,

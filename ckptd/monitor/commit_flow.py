@@ -92,26 +92,21 @@ class CommitFlow:
 
     def _pending_failures(self, rec: StepRecord) -> bool:
         """Whether the step has a failure not recorded yet (then :meth:`_record_new_failures`
-        must run); from now on :meth:`durable` and :meth:`on_storage` wait for it, even before the
-        task that records it has started."""
+        must run); from now on :meth:`on_storage` waits for it, and :meth:`_failure_unsettled`
+        counts it, even before the task that records it has started."""
         new = [k for k in Kind if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
         for kind in new:
             self._failure_writes.setdefault((rec.step, kind), asyncio.Event())
             self._failures_on_storage.setdefault((rec.step, kind), asyncio.Event())
         return bool(new)
 
-    async def durable(self, step: int) -> None:
-        """Wait until the failures of ``step`` known in memory are recorded in storage (a monitor
-        restarted before that would not know of them) and, for a full checkpoint, its committed
-        state dict was checked: only then may anyone be told."""
-        await _all_set(self._failure_writes, step)
-
     async def on_storage(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage, whether or
-        not they are reported yet (:meth:`durable`): enough to refuse a unit, or to answer one's
-        report. A full checkpoint's failure is reported only once its state dict is checked, and
-        withdrawn if a file of it changed, which storage may hold up for long: meanwhile the state
-        dict's failure record keeps ckptd's readers off it, and a restarted monitor fails both."""
+        not they are reported yet (``_failures_durable``: then waits on the kind are answered):
+        enough to refuse a unit, or to answer a unit's report or a registration. A full
+        checkpoint's failure is reported only once its state dict is checked, and withdrawn if a
+        file of it changed, which storage may hold up for long: meanwhile the state dict's failure
+        record keeps ckptd's readers off it, and a restarted monitor fails both."""
         await _all_set(self._failures_on_storage, step)
 
     def _write_failure(self, step: int, kind: Kind, reason: str) -> None:
@@ -165,7 +160,7 @@ class CommitFlow:
             except Exception:  # the check retries storage errors itself: this is a bug, and is not hidden
                 log.exception("step %d: checking its committed state dict after the full checkpoint failed", rec.step)
         self._failures_durable.add(key)  # from now on wait_committed answers "failed"
-        written.set()  # and so do a registration and an admission of the step (durable())
+        written.set()  # reported: no longer unsettled (the ledger may prune the step)
         self._failure_writes.pop(key, None)
         self._metrics.inc(FAILED_STEPS, kind=kind)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)

@@ -25,7 +25,7 @@ class Startup:
         receipt is all there is) until it is recorded and checked."""
         self._held_failures = {(rec.step, CKPT) for rec in steps if (rec.step, CKPT) in recorded and self._touched(rec)}
         self._failures_durable |= recorded - self._held_failures
-        for held in self._held_failures:  # what durable() waits for
+        for held in self._held_failures:  # unsettled (kept from pruning) until reported
             self._failure_writes[held] = asyncio.Event()
         for rec in steps:
             self._pending_failures(rec)

@@ -3,15 +3,17 @@ failure record, the tracker pointed back and the manifest removed.
 
 A mixin of :class:`~ckptd.monitor.actor.CheckpointMonitor` (it uses the actor's ledger,
 committer, retention runner and trackers). One withdrawal runs per step, as a task of its own:
-whoever finds the step changed while one is under way joins it. A unit's report waits only until
-the withdrawal's failure record is durable, not for the manifest's removal, which storage may
-refuse for a long while: the worker's later notifications (its other steps' saves) go on.
+whoever finds the step changed while one is under way joins it. A unit's report, and a
+registration of the step, wait only until the withdrawal's failure record is durable, not for the
+manifest's removal, which storage may refuse for a long while: the worker's later notifications
+and registrations (its other steps' saves) go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NamedTuple
 
 from ckptd.config import Kind
 from ckptd.fencing import FencedError
@@ -19,6 +21,14 @@ from ckptd.manifest import FileEntry
 from ckptd.monitor.ledger import CKPT, SD, StepRecord, StepState
 
 log = logging.getLogger("ckptd.monitor")
+
+
+class Withdrawal(NamedTuple):
+    """The withdrawal of a step's state dict under way (``_withdrawals``)."""
+
+    task: asyncio.Task  # ends once the manifest is gone (or a fence put its removal off)
+    recorded: asyncio.Event  # set once the state dict's failure record is on storage
+    reason: str  # the state dict's failure: what a withdrawal that joins it says too
 
 
 class Withdrawals:
@@ -102,17 +112,29 @@ class Withdrawals:
             rec[SD].withdrawing = True  # from now on: retention must not count it among those it keeps
             recorded = asyncio.Event()
             task = asyncio.get_running_loop().create_task(self._withdraw(rec, reason, recorded))
-            held = self._withdrawals[rec.step] = (task, recorded)
+            held = self._withdrawals[rec.step] = Withdrawal(task, recorded, reason)
             self._tasks.add(task)
             task.add_done_callback(self._withdrawal_ended)
-        task, recorded = held
-        await recorded.wait()
-        return task
+        await held.recorded.wait()
+        return held.task
+
+    async def withdrawn_because(self, step: int) -> str | None:
+        """Why the state dict of ``step`` is being withdrawn, once that failure is on storage (the
+        answer a registration gets meanwhile: the kind fails only once the manifest is gone,
+        which storage may hold up); None if no withdrawal of the step is under way."""
+        held = self._withdrawals.get(step)
+        if held is None:
+            # One a restart cut short (its failure is recorded) that the start-up has not resumed
+            # yet: it may first check other steps' state dicts, which storage may hold up.
+            rec = self._ledger.get(step)
+            return self._cut_short.get(step) if rec is not None and rec[SD].withdrawing else None
+        await held.recorded.wait()
+        return held.reason
 
     def _withdrawal_ended(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        for step, (held, _) in list(self._withdrawals.items()):
-            if held is task:
+        for step, held in list(self._withdrawals.items()):
+            if held.task is task:
                 del self._withdrawals[step]
         if not task.cancelled() and task.exception() is not None:  # a bug: the withdrawal retries storage itself
             log.error("a withdrawal of a state dict ended with an error", exc_info=task.exception())

@@ -254,7 +254,9 @@ def test_a_unit_that_rewrites_a_committed_state_dict_file_fails(make_monitor, tm
     with pytest.raises(ckptd.CheckpointSaveError, match="committed files must not change"):
         coord.save_sync(lambda: [write(f"{out}/model.pt", b"CHANGED")], 1, is_state_dict=True)
     with pytest.raises(ckptd.CheckpointSaveError, match="committed files must not change"):
-        coord.register(1, state_dict_thread_count=1)
+        coord.register(1, state_dict_thread_count=1)  # answered once the failure is on storage
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=30)  # answered once the manifest is gone
     # No manifest claims the bytes that are gone: the state dict of step 1 is withdrawn.
     assert tracker(root) is None and tracker(root, Kind.STATE_DICT) is None
     assert not os.path.exists(f"{out}/{MANIFESTS[Kind.STATE_DICT]}")

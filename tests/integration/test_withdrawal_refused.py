@@ -10,6 +10,7 @@ meanwhile."""
 from __future__ import annotations
 
 import os
+import re
 import zlib
 
 import pytest
@@ -22,8 +23,10 @@ from ckptd.storage import Storage
 from .helpers import (
     arm_in_monitor,
     assert_trackers_verified,
+    busy_coroutines,
     commit_one,
     failpoint_env,
+    in_thread,
     read_manifest,
     restart_monitor,
     revoke_loops,
@@ -71,6 +74,16 @@ def test_a_withdrawal_storage_refuses_does_not_hold_back_the_workers_other_saves
         wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "state dict 1's withdrawal refused, retried")
         ran = []
         coord.save_async("late-1", lambda: ran.append(1), 1)  # refused: step 1 failed
+        # A registration of step 1 is answered once the failures are on storage (helper-86/88's
+        # open item, session 46): in the background, it would hold back the units started after it
+        # (the registration barrier), step 2's among them; the state dict counts as failed.
+        coord.register(1, checkpoint_thread_count=1, wait=False)
+        for answer in (r"^checkpoint save of step 1 failed", r"^state_dict save of step 1 failed.*withdrawn"):
+            # The first raises the background one's answer; the second is its own (a state dict
+            # being withdrawn counts as failed).
+            outcome = in_thread(lambda: coord.register(1, is_state_dict=True), timeout_s=DEADLINE_S / 2)
+            assert outcome[0] == "raised" and isinstance(outcome[1], ckptd.CheckpointSaveError), outcome
+            assert re.search(answer, str(outcome[1])), outcome
         # The same worker saves step 2's state dict: it commits while storage still refuses the
         # removal of step 1's manifest.
         commit_one(coord, 2, "weights.bin", is_state_dict=True, timeout_s=DEADLINE_S / 2)
@@ -134,28 +147,39 @@ def test_a_monitor_restarted_during_a_refused_withdrawal_never_answers_that_stat
     is recorded). The restarted monitor found the manifest, counted the state dict committed, and
     answered waits so until its check of the files (here slowed) found them changed; and once the
     withdrawal ended, a wait begun meanwhile was not woken (the failure was recorded before the
-    restart, so nothing reported it again). Found by helper-87's attack."""
+    restart, so nothing reported it again). Found by helper-87's attack.
+
+    Also a registration of state dict 1 while the restarted monitor's start-up checks another
+    step's state dict (held here) before it resumes step 1's withdrawal: it was answered as if
+    the state dict stood, though its failure was on storage (helper-90, session 46)."""
     root = str(tmp_path / "ckpt")
-    accepted = str(tmp_path / "accepted")
+    accepted, checked = str(tmp_path / "accepted"), str(tmp_path / "checked")
     monitor = make_monitor(root, runtime_env=failpoint_env(f"before_revoke=raise_until:{accepted},"
-                                                           "state_dict_check=delay:5"))
+                                                           f"state_dict_check=until:{2 * DEADLINE_S}:{checked}"))
+    arm_in_monitor(monitor, "state_dict_check", "delay:0")  # held only in the restarted monitor
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    coord.register(1, checkpoint_thread_count=1)
+    for step in (1, 3):  # step 3's state dict is checked again at start-up: its full checkpoint is under way
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
+        coord.register(step, checkpoint_thread_count=1)
     try:
         coord.save_async("optimizer-1", lambda: _replace(f"{coord.step_dir(1)}/weights.bin"), 1)
         wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "state dict 1's withdrawal refused, retried")
         restart_monitor(monitor, how="sigkill")
         answer = ray.get(monitor.wait_committed.remote(1, "state_dict", 0.5))
         assert not answer["committed"] and answer["cause"] is None, answer
+        wait_for(lambda: "_changed_state_dict" in busy_coroutines(monitor), DEADLINE_S, "the check of step 3")
+        answer = ray.get(monitor.register.remote(1, {}, "state_dict", "after-the-restart"))["error"]
+        assert answer is not None and "so that state dict is withdrawn" in answer["cause"], answer
+        open(checked, "w").close()
         waiting = monitor.wait_committed.remote(1, "state_dict", 2 * DEADLINE_S)
         wait_for(lambda: any(revoke_loops(monitor, 1)), DEADLINE_S, "the restarted monitor's withdrawal retried")
-        assert ckptd.latest_step(root, "state_dict") is None
+        assert ckptd.latest_step(root, "state_dict") == 3
     finally:
+        open(checked, "w").close()
         open(accepted, "w").close()
     answer = ray.get(waiting, timeout=DEADLINE_S)
     assert not answer["committed"] and "withdrawn" in answer["cause"], answer
-    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) is None
+    assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) == 3
     assert _left_behind(monitor) == ({}, {})
     with pytest.raises(ckptd.CheckpointSaveError):
         coord.wait_all()

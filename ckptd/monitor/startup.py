@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from ckptd.config import Kind
-from ckptd.monitor.ledger import CKPT, SD, StepRecord
+from ckptd.monitor.ledger import CKPT, StepRecord
 
 log = logging.getLogger("ckptd.monitor")
 
@@ -36,8 +36,15 @@ class Startup:
         by anything else): its files are checked again (see ``withdraw_if_changed``), and
         retention's first pass waits for these checks, so that it never counts a stale state
         dict among those it keeps. The last monitor may have died withdrawing one (its failure
-        is recorded, ``withdrawals``, with the reasons): that withdrawal is finished."""
-        stale: dict[int, str] = {}
+        is recorded, ``withdrawals``, with the reasons): that withdrawal is finished.
+
+        Each withdrawal begins as soon as it is known (its failure recorded, then a registration
+        of the step is answered "withdrawn"), not once every step is checked: another step's
+        check may take long (a large state dict, storage that refuses reads)."""
+        begun: dict[int, asyncio.Task] = {}
+
+        async def begin(rec: StepRecord, reason: str) -> None:
+            begun[rec.step] = await self._begin_withdrawal(rec, reason)
 
         async def check(rec: StepRecord) -> None:
             try:
@@ -46,14 +53,14 @@ class Startup:
                 log.exception("step %d: checking its committed state dict at start-up", rec.step)
                 return
             if gone:
-                rec[SD].withdrawing = True  # before retention's pass: kept, not counted
-                stale[rec.step] = self._withdrawn_because(rec, gone,
-                                                          "the step was in flight when the monitor restarted")
+                await begin(rec, self._withdrawn_because(rec, gone,
+                                                         "the step was in flight when the monitor restarted"))
 
-        await asyncio.gather(*(check(rec) for rec in steps if self._touched(rec) and rec.step not in withdrawals))
+        await asyncio.gather(*(begin(rec, withdrawals[rec.step]) for rec in steps if rec.step in withdrawals),
+                             *(check(rec) for rec in steps if self._touched(rec) and rec.step not in withdrawals))
         self._retention.release()
         for rec in steps:
-            self._spawn(self._resume_step(rec, withdrawals.get(rec.step) or stale.get(rec.step)))
+            self._spawn(self._resume_step(rec, begun.get(rec.step)))
 
     def _touched(self, rec: StepRecord) -> bool:
         """Whether a unit or the full checkpoint of the step may have changed its committed state
@@ -62,11 +69,11 @@ class Startup:
             u.failure is not None or (u.files and self._changed_committed_files(rec, u.files))
             for u in rec.units.values())
 
-    async def _resume_step(self, rec: StepRecord, withdrawn: str | None) -> None:
-        """Withdraw the step's state dict if it must be (``withdrawn``: why), release its held
-        failure, and go on as after any change (commits, failures to record)."""
-        if withdrawn is not None:
-            withdrawal = await self._begin_withdrawal(rec, withdrawn)
+    async def _resume_step(self, rec: StepRecord, withdrawal: asyncio.Task | None) -> None:
+        """Let the withdrawal of the step's state dict (begun by :meth:`_resume`, if it must go)
+        end, release its held failure, and go on as after any change (commits, failures to
+        record)."""
+        if withdrawal is not None:
             if self._pending_failures(rec):
                 # Recorded now, not once the withdrawal ends (storage may refuse it for long): a
                 # unit of the step is refused once they are (on_storage), and they are reported

@@ -26,6 +26,7 @@ from .helpers import (
     busy_coroutines,
     commit_one,
     failpoint_env,
+    held_at,
     in_thread,
     read_manifest,
     restart_monitor,
@@ -227,4 +228,54 @@ def test_a_monitor_restarted_before_it_heard_of_a_failure_refuses_the_steps_unit
     assert read_manifest(root, 1, SD) is None and tracker_of(root, SD) == 2
     assert _left_behind(monitor) == ({}, {})
     assert_trackers_verified(root)
+    coord.close()
+
+
+def _found_changed(monitor, step: int) -> bool:
+    """Whether the monitor knows the state dict of ``step`` must go (being withdrawn, or failed)."""
+    def probe(self, step=step):
+        rec = self._ledger.get(step)
+        return rec is not None and (rec[SD].withdrawing or rec[SD].state.value == "failed")
+    return ray.get(monitor.__ray_call__.remote(probe))
+
+
+def test_a_registration_after_a_restarts_check_found_the_change_is_answered_withdrawn(make_monitor, tmp_path):
+    """A unit of step 1's full checkpoint replaces a file of state dict 1 and fails; the monitor
+    dies during the check that failure set off. The restarted monitor's start-up finds state dict
+    1 changed, but began withdrawing it only once every step was checked, and storage refuses to
+    read step 2's file (its check retries): meanwhile a registration of state dict 1 was accepted
+    as if it stood, while waits on it were not answered "committed". Found by helper-91's attack
+    (session 46). The withdrawal now begins once the change is found."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    for step in (1, 2, 3):
+        commit_one(coord, step, "weights.bin", is_state_dict=True)
+    for step in (1, 2):  # both state dicts are checked again at start-up: their full checkpoints are under way
+        coord.register(step, checkpoint_thread_count=1)
+    step2 = f"{coord.step_dir(2)}/weights.bin"
+    kept = open(step2, "rb").read()
+    checked = str(tmp_path / "checked")
+    arm_in_monitor(monitor, "state_dict_check", f"until:{DEADLINE_S:g}:{checked}")
+    coord.save_async("optimizer-1", lambda: _replace_then_fail(f"{coord.step_dir(1)}/weights.bin"), 1)
+    try:
+        wait_for(lambda: held_at(monitor, "state_dict_check"), DEADLINE_S, "the check of state dict 1")
+        os.remove(step2)
+        os.symlink("/proc/self/mem", step2)  # every read of it fails (EIO): step 2's check retries
+        restart_monitor(monitor, how="sigkill")
+        wait_for(lambda: _found_changed(monitor, 1), DEADLINE_S, "the start-up to find state dict 1 changed")
+        assert "_changed_state_dict" in busy_coroutines(monitor)  # step 2's check still retries
+        answer = ray.get(monitor.register.remote(1, {}, "state_dict", "after-the-check"))["error"]
+        assert answer is not None and "so that state dict is withdrawn" in answer["cause"], answer
+    finally:
+        open(checked, "w").close()
+        if os.path.islink(step2):
+            os.remove(step2)
+            write_file(step2, kept)
+    answer = ray.get(monitor.wait_committed.remote(1, "state_dict", DEADLINE_S))
+    assert not answer["committed"] and "withdrawn" in answer["cause"], answer
+    assert read_manifest(root, 1, SD) is None and read_manifest(root, 2, SD) is not None
+    assert_trackers_verified(root)
+    with pytest.raises(ckptd.CheckpointSaveError, match="step 1"):
+        coord.wait_all()
     coord.close()

@@ -284,6 +284,22 @@ def step_failure_path(storage: Storage, attempt: int, step: int, kind: Kind) -> 
     return f"{step_pending_dir(storage, attempt, step)}/failed-{kind.value}.json"
 
 
+def newest_started_attempt(storage: Storage) -> int | None:
+    """The newest attempt whose monitor finished its start-up (not one taken back). Ledger records
+    count from it on: that start-up decided about the older attempts' steps (it finished their
+    withdrawals, withdrew what they may have changed) and then discarded their records, so an
+    older attempt's record found now was written after it, by a fenced monitor of an older job
+    that went on."""
+    opened = set(list_attempts(storage))
+    return max((a for a in list_attempts(storage, "started") if a in opened), default=None)
+
+
+def counted_attempts(storage: Storage) -> list[int]:
+    """The attempts whose ledger records count, oldest first (:func:`newest_started_attempt`)."""
+    newest = newest_started_attempt(storage)
+    return [a for a in list_attempts(storage) if newest is None or a >= newest]
+
+
 def _not_failed(storage: Storage) -> Trusted:
     """What a reader without a monitor counts: a manifest whose kind a monitor recorded as failed
     is a withdrawal under way, or cut short (the failure is recorded before the tracker moves and
@@ -302,9 +318,7 @@ def _not_failed(storage: Storage) -> Trusted:
         if not kinds:
             return kinds
         if counted is None:
-            opened = list_attempts(storage)
-            started = [a for a in list_attempts(storage, "started") if a in opened]  # not one taken back
-            counted = [a for a in opened if not started or a >= started[-1]]
+            counted = counted_attempts(storage)
         return frozenset(k for k in kinds if not any(
             storage.exists(step_failure_path(storage, a, step, k)) for a in counted))
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ckptd import protocol
 from ckptd.config import Kind
 from ckptd.errors import CorruptCheckpointError
-from ckptd.layout import MANIFESTS, StepEntry, Trusted, kinds_in
+from ckptd.layout import MANIFESTS, StepEntry, Trusted, kinds_in, newest_started_attempt
 from ckptd.manifest import FileEntry, Manifest, changed_since_listing, read_manifest
 from ckptd.storage import Storage
 
@@ -156,9 +156,14 @@ def withdrawals_cut_short(storage: Storage, scanned: dict[int, StepEntry], attem
 def _recorded_state_dicts(storage: Storage, scanned: dict[int, StepEntry], attempts: list[int],
                           which: Callable[[Storage, StepEntry, int, protocol.PendingStep], bool]) -> frozenset[int]:
     """The steps with a committed state dict alone for which the records of one of ``attempts``
-    show ``which``."""
+    show ``which``. Only the records that count (:func:`~ckptd.layout.newest_started_attempt`,
+    as for the readers): an older attempt's, written by its fenced monitor after a newer job's
+    start-up kept the state dict, must not make the next start-up withdraw it (helper-92)."""
     out: set[int] = set()
+    newest = newest_started_attempt(storage)
     for attempt in attempts:
+        if newest is not None and attempt < newest:
+            continue
         for step in protocol.recorded_steps(storage, attempt):
             entry = scanned.get(step)
             if entry is not None and entry.kinds == {SD} and step not in out and \

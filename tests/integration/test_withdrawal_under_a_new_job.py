@@ -11,6 +11,7 @@ import ray
 
 import ckptd
 from ckptd import protocol
+from ckptd.layout import step_failure_path
 from ckptd.monitor.attempts import open_attempt
 from ckptd.storage import Storage
 
@@ -201,3 +202,47 @@ def test_a_new_job_keeps_a_state_dict_the_old_job_withdrew_withdrawn_though_its_
     assert ckptd.latest_step(root, "state_dict") is None
     answer = ray.get(new.wait_committed.remote(1, "state_dict", 1))
     assert not answer["committed"], answer
+
+
+def test_a_late_failure_record_of_an_old_attempt_does_not_withdraw_a_state_dict_a_newer_job_kept(
+        make_monitor, tmp_path):
+    """The old job's withdrawal of state dict 1 (a unit replaced its file) is held before its
+    failure record; the file gets its bytes back, and a new job starts: its start-up keeps state
+    dict 1 (its files are as listed) and discards the old attempt's records. The old monitor,
+    fenced, goes on and writes its record. ckptd's readers and the new job ignore it (records
+    count from the newest attempt that finished its start-up), but a third job's start-up took
+    it for a withdrawal cut short and removed the manifest of a state dict that verified. Found by
+    helper-92's attack (session 46)."""
+    root = str(tmp_path / "ckpt")
+    old = make_monitor(root)
+    old_attempt = ray.get(old.ping.remote())["attempt"]
+    coord = ckptd.CheckpointCoordinator(old, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    weights = f"{coord.step_dir(1)}/weights.bin"
+    kept = open(weights, "rb").read()
+    gate = str(tmp_path / "gate")
+    arm_in_monitor(old, "before_failure_record", f"until:{DEADLINE_S:g}:{gate}")
+    coord.register(1, checkpoint_thread_count=1)
+    coord.save_async("optimizer-1", lambda: write_file(weights, os.urandom(len(kept))), 1)
+    wait_for(lambda: held_at(old, "before_failure_record"), DEADLINE_S, "the withdrawal held before its record")
+    write_file(weights, kept)
+    open_attempt(Storage(root), "the-next-job", None)  # fences the old monitor, which keeps running
+    new = make_monitor(root, run="the-next-job")
+    assert read_manifest(root, 1, SD) is not None and tracker_of(root, SD) == 1
+    new_coord = ckptd.CheckpointCoordinator(new, worker_id="w1")
+    new_coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    arm_in_monitor(old, "before_failure_record", None)
+    open(gate, "w").close()
+    storage = Storage(root)
+    late = step_failure_path(storage, old_attempt, 1, SD)
+    wait_for(lambda: storage.exists(late), DEADLINE_S, "the old attempt's late failure record")
+    with pytest.raises(ckptd.CheckpointSaveError):
+        coord.wait_all()
+    coord.close()
+    assert ckptd.latest_step(root, "state_dict") == 1
+    new_coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    new_coord.close()
+    make_monitor(root, run="the-third-job", takeover=True)
+    assert read_manifest(root, 1, SD) is not None, "a state dict the second job counted committed was withdrawn"
+    assert ckptd.latest_step(root, "state_dict") == 1
+    assert_trackers_verified(root)

@@ -527,15 +527,16 @@ def test_a_release_whose_record_outlives_a_monitor_kill_is_restored_then_expires
 
 def _saturate_and_pin(make_monitor, tmp_path, run_name, pin_kind: str):
     """Steps 1-4 committed as state dicts (keep 2); steps 1 and 2 held by leases, step 4 by six
-    more. Lease-record removals are held 4 s, step deletions 2 s. Release the leases on 1 and 2
-    (a retention pass starts and holds its thread in the deletion of step 1), then the six (their
-    record removals fill the monitor's other I/O threads), then pin step 2 as ``pin_kind``: the
-    pin is granted in memory at once, but its record and its storage check wait for a thread, so
-    the retention pass meets the lease on step 2. Returns (root, monitor, the pin's result,
-    subscribers to close, trainer)."""
+    more. Lease-record removals are held 8 s (4 s was not always longer than the pinner's start
+    on a loaded machine: the pin was refused before any look saw it granted), step deletions 2 s.
+    Release the leases on 1 and 2 (a retention pass starts and holds its thread in the deletion
+    of step 1), then the six (their record removals fill the monitor's other I/O threads), then
+    pin step 2 as ``pin_kind``: the pin is granted in memory at once, but its record and its
+    storage check wait for a thread, so the retention pass meets the lease on step 2. Returns
+    (root, monitor, the pin's result, subscribers to close, trainer)."""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root, max_state_dict_to_keep=2, runtime_env=failpoint_env(
-        "before_lease_record_removed=delay:4,before_step_delete=delay:2"))
+        "before_lease_record_removed=delay:8,before_step_delete=delay:2"))
     trainer = ckptd.CheckpointCoordinator(monitor, worker_id="trainer")
     holder = ckptd.WeightSubscriber(run_name, name="holder")
     filler = ckptd.WeightSubscriber(run_name, name="filler")

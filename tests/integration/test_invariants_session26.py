@@ -215,7 +215,11 @@ def test_a_withdrawal_that_begins_after_the_snapshot_does_not_cost_an_older_stat
     finally:
         open(scan_gate, "w").close()
         open(revoke_gate, "w").close()
-    wait_for(lambda: ckptd.latest_step(root, "state_dict") == 2, what="state dict 3 to be withdrawn")
+    # Answered once the withdrawal has ended (the tracker file moved back); ckptd's readers pass
+    # over state dict 3 as soon as its failure is recorded, before that.
+    answer = ray.get(monitor.wait_committed.remote(3, "state_dict", 60))
+    assert not answer["committed"] and "withdrawn" in answer["cause"], answer
+    assert ckptd.latest_step(root, "state_dict") == 2
     in_thread(lambda: wait_all(coord), timeout_s=30)
     assert ray.get(monitor.wait_retention.remote(30))
     committed_sd = sorted(s for s in step_dirs(root)

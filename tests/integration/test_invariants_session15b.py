@@ -82,11 +82,24 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 CKPT, SD = ckptd.Kind.CHECKPOINT, ckptd.Kind.STATE_DICT
 POOL = 8  # the monitor's I/O threads (actor.py: ThreadPoolExecutor(max_workers=8))
-HOLD_S = 3.0  # how long each failure record holds its I/O thread
+HOLD_S = 6.0  # how long each failure record holds its I/O thread (3 s ran out on a loaded machine)
 
 
 def _in_monitor(monitor, fn):
     return ray.get(monitor.__ray_call__.remote(fn))
+
+
+def _threads_held(monitor, name: str) -> int:
+    """How many threads of the monitor's process wait in failpoint ``name``."""
+    def count(_self, name=name):
+        import sys
+        held = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and not (frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name):
+                frame = frame.f_back
+            held += frame is not None
+        return held
+    return ray.get(monitor.__ray_call__.remote(count))
 
 
 def _hold_io_pool(monitor, first_step: int) -> list:
@@ -98,8 +111,9 @@ def _hold_io_pool(monitor, first_step: int) -> list:
         unit = {"worker": "hold", "name": f"hold{i}", "step": first_step + i, "kind": "checkpoint", "call": f"hold-{i}"}
         failure = {"unit": f"hold/hold{i}", "error_type": "OSError", "message": "held"}
         refs.append(monitor.notify_batch.remote([("failed", unit, failure)]))
-    steps = set(range(first_step, first_step + POOL))
-    wait_for(lambda: steps <= {s for s, _ in _in_monitor(monitor, lambda self: list(self._failure_writes))},
+    # Every thread sleeps in the failpoint: a failure known (``_failure_writes``) may not have a
+    # thread yet, and once disarmed, its record would not hold one.
+    wait_for(lambda: _threads_held(monitor, "before_failure_record") >= POOL,
              what="every I/O thread holding a failure record")
     arm_in_monitor(monitor, "before_failure_record", None)  # those in flight keep sleeping
     return refs

@@ -88,7 +88,7 @@ class CheckpointMonitor(Startup, UnitReports, Withdrawals, CommitFlow, Publicati
         self._registering: dict[int, int] = {}  # steps with registrations being written: no commit begins
         self._arriving: dict[int, int] = {}  # steps with registrations received, not yet answered (Waits)
         self._arrived: dict[int, asyncio.Event] = {}  # set once a step has none arriving any more
-        self._failure_writes: dict[tuple[int, Kind], asyncio.Event] = {}  # failures known, not reported yet
+        self._failure_writes: set[tuple[int, Kind]] = set()  # failures known, not reported yet
         self._failures_on_storage: dict[tuple[int, Kind], asyncio.Event] = {}  # awaited by a unit's report
         self._withdrawals: dict[int, Withdrawal] = {}  # state dicts being withdrawn
         self._cut_short: dict[int, str] = {}  # withdrawals a restart found recorded, and why (Rebuilt)

@@ -96,7 +96,7 @@ class CommitFlow:
         counts it, even before the task that records it has started."""
         new = [k for k in Kind if rec[k].state is StepState.FAILED and (rec.step, k) not in self._failures_recorded]
         for kind in new:
-            self._failure_writes.setdefault((rec.step, kind), asyncio.Event())
+            self._failure_writes.add((rec.step, kind))
             self._failures_on_storage.setdefault((rec.step, kind), asyncio.Event())
         return bool(new)
 
@@ -107,7 +107,10 @@ class CommitFlow:
         checkpoint's failure is reported only once its state dict is checked, and withdrawn if a
         file of it changed, which storage may hold up for long: meanwhile the state dict's failure
         record keeps ckptd's readers off it, and a restarted monitor fails both."""
-        await _all_set(self._failures_on_storage, step)
+        for kind in Kind:
+            event = self._failures_on_storage.get((step, kind))
+            if event is not None:
+                await event.wait()
 
     def _write_failure(self, step: int, kind: Kind, reason: str) -> None:
         failpoints.hit("before_failure_record")
@@ -128,18 +131,17 @@ class CommitFlow:
     async def _record_failure(self, rec: StepRecord, kind: Kind) -> None:
         key = (rec.step, kind)
         self._failures_recorded.add(key)  # before the await: one record per failure
-        written = self._failure_writes.setdefault(key, asyncio.Event())
+        self._failure_writes.add(key)
         if kind is CKPT:
             # Checked below: until then retention keeps the state dict without counting it.
             rec[SD].checks += 1
         try:
-            await self._record_and_check(rec, kind, key, written)
+            await self._record_and_check(rec, kind, key)
         finally:
             if kind is CKPT:
                 rec[SD].checks -= 1
 
-    async def _record_and_check(self, rec: StepRecord, kind: Kind, key: tuple[int, Kind],
-                                written: asyncio.Event) -> None:
+    async def _record_and_check(self, rec: StepRecord, kind: Kind, key: tuple[int, Kind]) -> None:
         reason = rec[kind].reason or "failed"
         # Nobody is told of the failure before it is recorded: a monitor restarted before then
         # rebuilds the step from its units' receipts and, with every unit finished, would commit
@@ -160,8 +162,7 @@ class CommitFlow:
             except Exception:  # the check retries storage errors itself: this is a bug, and is not hidden
                 log.exception("step %d: checking its committed state dict after the full checkpoint failed", rec.step)
         self._failures_durable.add(key)  # from now on wait_committed answers "failed"
-        written.set()  # reported: no longer unsettled (the ledger may prune the step)
-        self._failure_writes.pop(key, None)
+        self._failure_writes.discard(key)  # reported: no longer unsettled (the ledger may prune the step)
         self._metrics.inc(FAILED_STEPS, kind=kind)
         log.error("step %d (%s) failed: %s", rec.step, kind.value, reason)
         self._slots.abort_prefix(f"{rec.step}/{kind.value}/", reason)
@@ -395,11 +396,3 @@ class CommitFlow:
             protocol.remove_step_records(self._storage, self._attempt, step)
         except Exception as e:
             log.warning("could not remove ledger records of step %d: %s", step, e)
-
-
-async def _all_set(events: dict[tuple[int, Kind], asyncio.Event], step: int) -> None:
-    """Wait until the events of ``step`` (one per kind, where there is one) are set."""
-    for kind in Kind:
-        event = events.get((step, kind))
-        if event is not None:
-            await event.wait()

@@ -25,8 +25,7 @@ class Startup:
         receipt is all there is) until it is recorded and checked."""
         self._held_failures = {(rec.step, CKPT) for rec in steps if (rec.step, CKPT) in recorded and self._touched(rec)}
         self._failures_durable |= recorded - self._held_failures
-        for held in self._held_failures:  # unsettled (kept from pruning) until reported
-            self._failure_writes[held] = asyncio.Event()
+        self._failure_writes |= self._held_failures  # unsettled (kept from pruning) until reported
         for rec in steps:
             self._pending_failures(rec)
 
@@ -84,6 +83,6 @@ class Startup:
         if held in self._held_failures:
             self._held_failures.discard(held)
             self._failures_durable.add(held)
-            self._failure_writes.pop(held).set()
+            self._failure_writes.discard(held)
             self._wake(*held)
         await self._after_change(rec)

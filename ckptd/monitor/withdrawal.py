@@ -124,8 +124,8 @@ class Withdrawals:
         which storage may hold up); None if no withdrawal of the step is under way."""
         held = self._withdrawals.get(step)
         if held is None:
-            # One a restart cut short (its failure is recorded) that the start-up has not resumed
-            # yet: it may first check other steps' state dicts, which storage may hold up.
+            # One a restart cut short (its failure is recorded) that the start-up has not begun
+            # again yet (``startup._resume`` does so first thing, once the event loop runs it).
             rec = self._ledger.get(step)
             return self._cut_short.get(step) if rec is not None and rec[SD].withdrawing else None
         await held.recorded.wait()

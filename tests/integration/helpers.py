@@ -687,20 +687,30 @@ def step_dirs(root: str) -> set[int]:
     return {int(n.rsplit("_", 1)[1]) for n in os.listdir(root) if n.startswith("global_step_")}
 
 
+def threads_held_here(name: str) -> int:
+    """How many threads of this process wait in failpoint ``name``."""
+    import sys
+    held = 0
+    for frame in sys._current_frames().values():
+        while frame is not None and not (frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name):
+            frame = frame.f_back
+        held += frame is not None
+    return held
+
+
 def held_here(name: str) -> bool:
     """Whether a thread of this process waits in failpoint ``name``."""
-    import sys
-    for frame in sys._current_frames().values():
-        while frame is not None:
-            if frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name:
-                return True
-            frame = frame.f_back
-    return False
+    return threads_held_here(name) > 0
+
+
+def threads_held_at(monitor, name: str) -> int:
+    """How many threads of the monitor's process wait in failpoint ``name``."""
+    return ray.get(monitor.__ray_call__.remote(lambda _self, name=name: threads_held_here(name)))
 
 
 def held_at(monitor, name: str) -> bool:
     """Whether a thread of the monitor's process waits in failpoint ``name``."""
-    return ray.get(monitor.__ray_call__.remote(lambda _self, name=name: held_here(name)))
+    return threads_held_at(monitor, name) > 0
 
 
 def two_state_dicts(make_monitor, root: str):

@@ -74,6 +74,7 @@ from .helpers import (
     read_manifest,
     restart_monitor,
     status,
+    threads_held_at,
     wait_for,
     write_step_file,
 )
@@ -89,19 +90,6 @@ def _in_monitor(monitor, fn):
     return ray.get(monitor.__ray_call__.remote(fn))
 
 
-def _threads_held(monitor, name: str) -> int:
-    """How many threads of the monitor's process wait in failpoint ``name``."""
-    def count(_self, name=name):
-        import sys
-        held = 0
-        for frame in sys._current_frames().values():
-            while frame is not None and not (frame.f_code.co_name == "hit" and frame.f_locals.get("name") == name):
-                frame = frame.f_back
-            held += frame is not None
-        return held
-    return ray.get(monitor.__ray_call__.remote(count))
-
-
 def _hold_io_pool(monitor, first_step: int) -> list:
     """Fill every I/O thread of the monitor with a failure record slowed by HOLD_S: eight
     failing units of eight steps, reported concurrently (one call each). Returns the refs."""
@@ -113,7 +101,7 @@ def _hold_io_pool(monitor, first_step: int) -> list:
         refs.append(monitor.notify_batch.remote([("failed", unit, failure)]))
     # Every thread sleeps in the failpoint: a failure known (``_failure_writes``) may not have a
     # thread yet, and once disarmed, its record would not hold one.
-    wait_for(lambda: _threads_held(monitor, "before_failure_record") >= POOL,
+    wait_for(lambda: threads_held_at(monitor, "before_failure_record") >= POOL,
              what="every I/O thread holding a failure record")
     arm_in_monitor(monitor, "before_failure_record", None)  # those in flight keep sleeping
     return refs

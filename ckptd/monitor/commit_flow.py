@@ -106,7 +106,14 @@ class CommitFlow:
         enough to refuse a unit, or to answer a unit's report or a registration. A full
         checkpoint's failure is reported only once its state dict is checked, and withdrawn if a
         file of it changed, which storage may hold up for long: meanwhile the state dict's failure
-        record keeps ckptd's readers off it, and a restarted monitor fails both."""
+        record keeps ckptd's readers off it, and a restarted monitor fails both.
+
+        A failure the ledger holds that nobody has marked pending yet (its caller still awaits
+        something, as :meth:`_failed` does while it checks the state dict) is waited for too:
+        every path that fails a kind records it once it is done (``_after_change``)."""
+        rec = self._ledger.get(step)
+        if rec is not None:
+            self._pending_failures(rec)
         for kind in Kind:
             event = self._failures_on_storage.get((step, kind))
             if event is not None:

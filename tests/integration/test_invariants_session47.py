@@ -1,0 +1,81 @@
+"""Invariant: nobody is told that a kind of a step failed before that failure is recorded on
+storage (else a monitor restarted in between, finding every unit finished, could commit it).
+
+A state-dict unit that fails after its state dict committed fails only the step's full
+checkpoint; the monitor then checks the committed state dict's files before it records that
+failure. During that check the full checkpoint was failed in memory with nothing on storage yet,
+and a registration of it was answered "failed" at once (helper-91's finding, session 46; fixed in
+session 47)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+import ckptd
+from ckptd.layout import step_failure_path
+from ckptd.storage import Storage
+
+from .helpers import (
+    arm_in_monitor,
+    assert_trackers_verified,
+    busy_coroutines,
+    commit_one,
+    held_at,
+    wait_for,
+)
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+DEADLINE_S = 60.0
+CKPT = ckptd.Kind.CHECKPOINT
+
+
+def _fails() -> None:
+    raise OSError("the late state-dict unit could not write")
+
+
+def _registering(monitor) -> bool:
+    """Whether a registration waits in the monitor for a failure record (``on_storage``)."""
+    def probe(_self):
+        import gc
+        import inspect
+        return any(inspect.iscoroutine(o) and o.cr_frame is not None and o.cr_code.co_name == "on_storage"
+                   for o in gc.get_objects())
+    return ray.get(monitor.__ray_call__.remote(probe))
+
+
+def test_a_registration_during_the_check_a_late_units_failure_sets_off_waits_for_the_failure_record(
+        make_monitor, tmp_path):
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    checked = str(tmp_path / "checked")
+    arm_in_monitor(monitor, "state_dict_check", f"until:{DEADLINE_S:g}:{checked}")
+    attempt = ray.get(monitor.ping.remote())["attempt"]
+    record = step_failure_path(Storage(root), attempt, 1, CKPT)
+    try:
+        coord.save_async("model-late", _fails, 1, is_state_dict=True)  # counts toward the full checkpoint only
+        wait_for(lambda: held_at(monitor, "state_dict_check"), DEADLINE_S, "the check of state dict 1")
+        assert "_changed_state_dict" in busy_coroutines(monitor)
+        answer = monitor.register.remote(1, {"checkpoint": 1}, "checkpoint", "during-the-check")
+        wait_for(lambda: ray.wait([answer], timeout=0)[0] or _registering(monitor), DEADLINE_S,
+                 "the registration to be answered, or to wait for the failure record")
+        if ray.wait([answer], timeout=0)[0]:  # answered while the check is held: before any record
+            error = ray.get(answer)["error"]
+            assert os.path.exists(record), f"told {error} with no failure record on storage"
+    finally:
+        open(checked, "w").close()
+    error = ray.get(answer, timeout=DEADLINE_S)["error"]
+    assert os.path.exists(record)
+    assert error is not None and error["type"] == "CheckpointSaveError" and error["kind"] == "checkpoint", error
+    assert "model-late" in str(error["unit"]) + str(error["cause"]), error
+    with pytest.raises(ckptd.CheckpointSaveError, match="step 1"):
+        coord.wait_all()
+    assert ckptd.latest_step(root, "state_dict") == 1 and ckptd.latest_step(root) is None
+    assert_trackers_verified(root)
+    coord.close()

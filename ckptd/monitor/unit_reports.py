@@ -278,24 +278,26 @@ class UnitReports:
         unit = rec.units.get(uid.key)
         if unit is not None and unit.failure is failure:  # recorded now, not a retried notification
             self._metrics.inc(FAILED_UNITS, kind=uid.kind)
-        # Read before anything below awaits: what this failure did to the unit's kind.
+        # Read before anything below awaits: what this failure did to the unit's kind, and
+        # whether it failed the full checkpoint now (recording that checks the state dict).
         kept = _kept_without(rec, uid)
-        try:
-            if not (rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded):
-                # A withdrawal fails the step's state dict, and with it this unit's kind (its full
-                # checkpoint is neither committed nor being committed, or nothing was checked).
-                if await self.withdraw_if_changed(rec, f"unit {uid.label} failed", whole=False):
-                    kept = None
-            elif kept is not None and uid.kind is SD and (rec.step in self._withdrawals
-                                                          or await self._changed_state_dict(rec)):
-                # The full checkpoint failed now, and recording that failure checks the state dict
-                # and withdraws it (_record_failure): this unit's answer must not say it stays.
+        checked_by_record = rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded
+        # Recorded at once, before the checks below: a registration, admission or report of the
+        # step waits for the record (on_storage), not for a read of the whole state dict.
+        if self._pending_failures(rec):
+            self._spawn(self._record_new_failures(rec))
+        if not checked_by_record:
+            # A withdrawal fails the step's state dict, and with it this unit's kind (its full
+            # checkpoint is neither committed nor being committed, or nothing was checked).
+            if await self.withdraw_if_changed(rec, f"unit {uid.label} failed", whole=False):
                 kept = None
-        finally:
-            # Recorded whatever the check did: a registration or report of the step that came
-            # meanwhile waits for that record (on_storage).
-            if self._after_change_sync(rec):
-                self._spawn(self._record_new_failures(rec))
+        elif kept is not None and uid.kind is SD and (rec.step in self._withdrawals
+                                                      or await self._changed_state_dict(rec)):
+            # Recording the full checkpoint's failure checks the state dict too, and withdraws it
+            # (_record_failure): this unit's answer must not say it stays.
+            kept = None
+        if self._after_change_sync(rec):  # the commits the failure let go; a failure found since
+            self._spawn(self._record_new_failures(rec))
         # Answered once the failures are on storage (a restarted monitor then knows of them), not
         # once they are reported: a full checkpoint's failure is reported after a check of its
         # state dict, and any withdrawal that check sets off (see the withdrawal module).

@@ -286,15 +286,13 @@ class UnitReports:
         # step waits for the record (on_storage), not for a read of the whole state dict.
         if self._pending_failures(rec):
             self._spawn(self._record_new_failures(rec))
-        if not checked_by_record:
-            # A withdrawal fails the step's state dict, and with it this unit's kind (its full
-            # checkpoint is neither committed nor being committed, or nothing was checked).
-            if await self.withdraw_if_changed(rec, f"unit {uid.label} failed", whole=False):
-                kept = None
-        elif kept is not None and uid.kind is SD and (rec.step in self._withdrawals
-                                                      or await self._changed_state_dict(rec)):
-            # Recording the full checkpoint's failure checks the state dict too, and withdraws it
-            # (_record_failure): this unit's answer must not say it stays.
+        # The committed state dict is checked (and withdrawn if a file changed) here unless the
+        # full checkpoint failed now, whose recording checks it (_record_failure); a state-dict
+        # unit's answer must not say it stays, so that unit's failure checks it here too. Both
+        # checks then run at once: whichever finds a change withdraws it (one withdrawal per step).
+        if (not checked_by_record or (kept is not None and uid.kind is SD)) and await self.withdraw_if_changed(
+                rec, f"unit {uid.label} failed", whole=False):
+            # A withdrawal fails the step's state dict, and with it this unit's kind.
             kept = None
         if self._after_change_sync(rec):  # the commits the failure let go; a failure found since
             self._spawn(self._record_new_failures(rec))

@@ -25,6 +25,8 @@ from .helpers import (
     busy_coroutines,
     commit_one,
     held_at,
+    replace_same_size,
+    threads_held_at,
     wait_for,
 )
 
@@ -69,3 +71,44 @@ def test_a_registration_during_the_check_a_late_units_failure_sets_off_is_answer
     assert ckptd.latest_step(root, "state_dict") == 1 and ckptd.latest_step(root) is None
     assert_trackers_verified(root)
     coord.close()
+
+
+def test_a_file_replaced_after_the_records_check_is_withdrawn_by_the_failed_units_check(make_monitor, tmp_path):
+    """Both checks of state dict 1 run at once once the full checkpoint's failure is recorded
+    first: the recording's and the failed state-dict unit's. The first one to read storage is held
+    here; the other finds nothing changed, the file is replaced, then the held one reads it. That
+    check only decided the unit's answer, and nothing withdrew the state dict: its tracker named
+    bytes that were gone (helper-95's attack on d9ae203). Whichever check finds a change now
+    withdraws the state dict."""
+    root = str(tmp_path / "ckpt")
+    monitor = make_monitor(root)
+    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
+    commit_one(coord, 1, "weights.bin", is_state_dict=True)
+    coord.register(1, checkpoint_thread_count=1)
+    checked = str(tmp_path / "checked")
+
+    def first_check_only(_self, once=str(tmp_path / "once")):
+        os.environ["CKPTD_FAILPOINTS_ONCE"] = once
+    ray.get(monitor.__ray_call__.remote(first_check_only))
+    arm_in_monitor(monitor, "state_dict_check", f"until:{2 * DEADLINE_S:g}:{checked}")
+    try:
+        coord.save_async("model-late", _fails, 1, is_state_dict=True)
+        wait_for(lambda: held_at(monitor, "state_dict_check"), DEADLINE_S, "the first check of state dict 1")
+        wait_for(lambda: _reported(monitor, 1), DEADLINE_S, "the other check to pass, and the failure reported")
+        assert threads_held_at(monitor, "state_dict_check") == 1
+        replace_same_size(os.path.join(ckptd.step_dir(root, 1), "weights.bin"))
+    finally:
+        open(checked, "w").close()
+    with pytest.raises(ckptd.CheckpointSaveError, match="model-late") as raised:
+        coord.wait_all()  # the unit's answer: once its check found the change, and the withdrawal began
+    assert "does not fail" not in str(raised.value)
+    with pytest.raises(ckptd.CheckpointSaveError, match="withdrawn"):
+        coord.wait_committed(1, is_state_dict=True, timeout_s=DEADLINE_S)
+    assert ckptd.latest_step(root, "state_dict") is None and ckptd.latest_step(root) is None
+    assert_trackers_verified(root)
+    coord.close()
+
+
+def _reported(monitor, step: int) -> bool:
+    """Whether the monitor reported the full checkpoint's failure (waits on it answer "failed")."""
+    return ray.get(monitor.__ray_call__.remote(lambda self, step=step: (step, CKPT) in self._failures_durable))

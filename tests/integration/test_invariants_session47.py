@@ -40,13 +40,20 @@ def _fails() -> None:
     raise OSError("the late state-dict unit could not write")
 
 
-def test_a_registration_during_the_check_a_late_units_failure_sets_off_is_answered_once_the_failure_is_recorded(
-        make_monitor, tmp_path):
+def _state_dict_1_then_its_full_checkpoint_registered(make_monitor, tmp_path):
+    """State dict 1 committed, then step 1's full checkpoint registered (one unit): a state-dict
+    unit of step 1 now counts toward the full checkpoint only. (root, monitor, coordinator)"""
     root = str(tmp_path / "ckpt")
     monitor = make_monitor(root)
     coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
     commit_one(coord, 1, "weights.bin", is_state_dict=True)
     coord.register(1, checkpoint_thread_count=1)
+    return root, monitor, coord
+
+
+def test_a_registration_during_the_check_a_late_units_failure_sets_off_is_answered_once_the_failure_is_recorded(
+        make_monitor, tmp_path):
+    root, monitor, coord = _state_dict_1_then_its_full_checkpoint_registered(make_monitor, tmp_path)
     checked = str(tmp_path / "checked")
     arm_in_monitor(monitor, "state_dict_check", f"until:{2 * DEADLINE_S:g}:{checked}")
     attempt = ray.get(monitor.ping.remote())["attempt"]
@@ -80,11 +87,7 @@ def test_a_file_replaced_after_the_records_check_is_withdrawn_by_the_failed_unit
     check only decided the unit's answer, and nothing withdrew the state dict: its tracker named
     bytes that were gone (helper-95's attack on d9ae203). Whichever check finds a change now
     withdraws the state dict."""
-    root = str(tmp_path / "ckpt")
-    monitor = make_monitor(root)
-    coord = ckptd.CheckpointCoordinator(monitor, worker_id="w0")
-    commit_one(coord, 1, "weights.bin", is_state_dict=True)
-    coord.register(1, checkpoint_thread_count=1)
+    root, monitor, coord = _state_dict_1_then_its_full_checkpoint_registered(make_monitor, tmp_path)
     checked = str(tmp_path / "checked")
 
     def first_check_only(_self, once=str(tmp_path / "once")):

@@ -108,9 +108,10 @@ class CommitFlow:
         file of it changed, which storage may hold up for long: meanwhile the state dict's failure
         record keeps ckptd's readers off it, and a restarted monitor fails both.
 
-        A failure the ledger holds that nobody has marked pending yet (its caller still awaits
-        something, as :meth:`_failed` does while it checks the state dict) is waited for too:
-        every path that fails a kind records it once it is done (``_after_change``)."""
+        A failure the ledger holds that nobody has marked pending yet is waited for too: a path
+        that failed a kind and awaits something before it marks that failure pending (as
+        :meth:`_failed` did while it checked the state dict) cannot have it told meanwhile. Every
+        path that fails a kind records it once it is done (``_after_change``)."""
         rec = self._ledger.get(step)
         if rec is not None:
             self._pending_failures(rec)

@@ -2,7 +2,7 @@
 storage (else a monitor restarted in between, finding every unit finished, could commit it).
 
 A state-dict unit that fails after its state dict committed fails only the step's full
-checkpoint; the monitor then checks the committed state dict's files before it records that
+checkpoint; the monitor then checked the committed state dict's files before it recorded that
 failure. During that check the full checkpoint was failed in memory with nothing on storage yet,
 and a registration of it was answered "failed" at once (helper-91's finding, session 46; fixed in
 session 47). The failure is now recorded before the check, so that the registration waits for the

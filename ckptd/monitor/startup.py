@@ -73,11 +73,10 @@ class Startup:
         end, release its held failure, and go on as after any change (commits, failures to
         record)."""
         if withdrawal is not None:
-            if self._pending_failures(rec):
-                # Recorded now, not once the withdrawal ends (storage may refuse it for long): a
-                # unit of the step is refused once they are (on_storage), and they are reported
-                # once it has ended (_record_failure joins it).
-                self._spawn(self._record_new_failures(rec))
+            # Recorded now, not once the withdrawal ends (storage may refuse it for long): a unit
+            # of the step is refused once they are (on_storage), and they are reported once it has
+            # ended (_record_failure joins it).
+            self._record_pending(rec)
             await asyncio.shield(withdrawal)
         held = (rec.step, CKPT)
         if held in self._held_failures:

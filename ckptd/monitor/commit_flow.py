@@ -100,12 +100,6 @@ class CommitFlow:
             self._failures_on_storage.setdefault((rec.step, kind), asyncio.Event())
         return bool(new)
 
-    def _record_pending(self, rec: StepRecord) -> None:
-        """Mark the step's new failures pending (:meth:`on_storage` waits for them from now on)
-        and record them in a task of their own."""
-        if self._pending_failures(rec):
-            self._spawn(self._record_new_failures(rec))
-
     async def on_storage(self, step: int) -> None:
         """Wait until the failures of ``step`` known in memory are recorded in storage, whether or
         not they are reported yet (``_failures_durable``: then waits on the kind are answered):
@@ -402,8 +396,8 @@ class CommitFlow:
             return
         for step in failed:
             rec = self._ledger.fence_state_dict(step, newest, time.time()) if step < newest else None
-            if rec is not None:
-                self._record_pending(rec)
+            if rec is not None and self._pending_failures(rec):
+                self._spawn(self._record_new_failures(rec))
 
     def _cleanup(self, step: int) -> None:
         try:

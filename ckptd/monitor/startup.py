@@ -73,10 +73,11 @@ class Startup:
         end, release its held failure, and go on as after any change (commits, failures to
         record)."""
         if withdrawal is not None:
-            # Recorded now, not once the withdrawal ends (storage may refuse it for long): a unit
-            # of the step is refused once they are (on_storage), and they are reported once it has
-            # ended (_record_failure joins it).
-            self._record_pending(rec)
+            if self._pending_failures(rec):
+                # Recorded now, not once the withdrawal ends (storage may refuse it for long): a
+                # unit of the step is refused once they are (on_storage), and they are reported
+                # once it has ended (_record_failure joins it).
+                self._spawn(self._record_new_failures(rec))
             await asyncio.shield(withdrawal)
         held = (rec.step, CKPT)
         if held in self._held_failures:

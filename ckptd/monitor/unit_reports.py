@@ -284,13 +284,14 @@ class UnitReports:
         checked_by_record = rec[CKPT].state is StepState.FAILED and (rec.step, CKPT) not in self._failures_recorded
         # Recorded at once, before the checks below: a registration, admission or report of the
         # step waits for the record (on_storage), not for a read of the whole state dict.
-        self._record_pending(rec)
+        if self._pending_failures(rec):
+            self._spawn(self._record_new_failures(rec))
         # The committed state dict is checked (and withdrawn if a file changed) here unless the
         # full checkpoint failed now, whose recording checks it (_record_failure); a state-dict
         # unit's answer must not say it stays, so that unit's failure checks it here too. Both
         # checks then run at once: whichever finds a change withdraws it (one withdrawal per step).
-        check_here = not checked_by_record or (kept is not None and uid.kind is SD)
-        if check_here and await self.withdraw_if_changed(rec, f"unit {uid.label} failed", whole=False):
+        if (not checked_by_record or (kept is not None and uid.kind is SD)) and await self.withdraw_if_changed(
+                rec, f"unit {uid.label} failed", whole=False):
             # A withdrawal fails the step's state dict, and with it this unit's kind.
             kept = None
         if self._after_change_sync(rec):  # the commits the failure let go; a failure found since
